@@ -1,0 +1,32 @@
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-slow lint bench clean
+
+$(STAMP): pyproject.toml requirements-dev.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip setuptools
+	$(BIN)/python -m pip install -q -r requirements-dev.txt
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m backpack
+
+test: $(STAMP)
+	$(BIN)/python -m ruff check backpack tests
+	$(BIN)/python -m pytest -q -n 2 $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/python -m ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
