@@ -1,0 +1,13 @@
+"""backpack: more than the gradient from one PyTorch backward pass.
+
+`extend` a model (and loss), then run `loss.backward()` inside `with backpack(*extensions):` to get
+per-sample gradients, gradient statistics and curvature next to `.grad`.
+"""
+
+from backpack import extensions  # noqa: F401
+from backpack.engine import backpack
+from backpack.recording import disable, extend, memory_cleanup
+
+__version__ = "0.1.0"
+
+__all__ = ["backpack", "extend", "disable", "memory_cleanup", "extensions", "__version__"]

@@ -1,0 +1,426 @@
+"""The engine: observes a backward pass inside `with backpack(...)` and runs the extensions.
+
+Gradient hooks registered at record time call `Engine.on_module_backward` with the gradients that
+reach a module call's outputs. The engine asks the module's rule for the quantities the active
+extensions need and stores them on the parameters. A parameter used by several calls (a module
+applied twice, tied weights) gets the quantities of its summed per-sample gradient: contributions
+are accumulated until every live use has reported or the backward ends.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from backpack.context import CTX
+from backpack.extensions.backprop_extension import (
+    FAIL_ERROR,
+    FAIL_SILENT,
+    BackpropExtension,
+)
+from backpack.extensions.firstorder.base import FirstOrderBackpropExtension
+from backpack.recording import Record, live_records, param_owners
+from backpack.rules import find_rule
+from backpack.rules.base import ModuleRule
+from backpack.rules.generic import FuncRule
+
+_GENERIC_RULE = FuncRule()
+_WARNED_GENERIC: set[type] = set()
+
+
+def _unsupported_warning(ext: BackpropExtension, module: nn.Module) -> str:
+    return (
+        f"Extension saving to {ext.savefield} does not have an extension for "
+        f"Module {module.__class__} although the module has parameters"
+    )
+
+
+class _Quantities:
+    """Lazily computed first-order quantities of one module call (or of accumulated uses)."""
+
+    def __init__(
+        self,
+        rule: ModuleRule | None,
+        record: Record | None,
+        grads: tuple,
+        names: list[str],
+        batch_size: int,
+        psg: dict[str, Tensor] | None = None,
+    ) -> None:
+        self.rule, self.record, self.grads, self.names = rule, record, grads, names
+        self.n = batch_size
+        self._psg = psg
+        self._cache: dict[str, dict[str, Tensor]] = {}
+
+    def psg(self) -> dict[str, Tensor]:
+        if self._psg is None:
+            self._psg = self.rule.per_sample_grads(self.record, self.grads, self.names)
+        return self._psg
+
+    def _fused(self, which: str) -> dict[str, Tensor] | None:
+        if self._psg is not None or self.rule is None:
+            return None
+        return getattr(self.rule, which)(self.record, self.grads, self.names)
+
+    def get(self, which: str, subsampling: Sequence[int] | None = None) -> dict[str, Tensor]:
+        key = which if subsampling is None else f"{which}{list(subsampling)}"
+        if key not in self._cache:
+            self._cache[key] = getattr(self, f"_{which}")(subsampling)
+        return self._cache[key]
+
+    def _grad_batch(self, subsampling: Sequence[int] | None) -> dict[str, Tensor]:
+        if subsampling is None:
+            return self.psg()
+        if self._psg is None and self.rule is not None:
+            return self.rule.per_sample_grads(self.record, self.grads, self.names, subsampling)
+        index = torch.as_tensor(list(subsampling), dtype=torch.long)
+        return {k: v[index.to(v.device)] for k, v in self.psg().items()}
+
+    def _batch_l2(self, _: Any) -> dict[str, Tensor]:
+        fused = self._fused("batch_l2")
+        if fused is not None:
+            return fused
+        return {k: v.flatten(1).square().sum(1) for k, v in self.psg().items()}
+
+    def _sum_grad_squared(self, _: Any) -> dict[str, Tensor]:
+        fused = self._fused("sum_grad_squared")
+        if fused is not None:
+            return fused
+        return {k: v.square().sum(0) for k, v in self.psg().items()}
+
+    def _batch_dot(self, _: Any) -> dict[str, Tensor]:
+        fused = self._fused("batch_dot")
+        if fused is not None:
+            return fused
+        return {k: v.flatten(1) @ v.flatten(1).T for k, v in self.psg().items()}
+
+    def _grad_sum(self, _: Any) -> dict[str, Tensor]:
+        fused = self._fused("grad_sum")
+        if fused is not None:
+            return fused
+        return {k: v.sum(0) for k, v in self.psg().items()}
+
+    def _variance(self, _: Any) -> dict[str, Tensor]:
+        sgs, gsum = self.get("sum_grad_squared"), self.get("grad_sum")
+        return {k: (sgs[k] / self.n - (gsum[k] / self.n).square()).clamp_min(0) for k in sgs}
+
+
+class _Accumulator:
+    """Summed per-sample gradients of a parameter used several times in one graph."""
+
+    def __init__(self, param: Tensor, expected_uses: int, batch_size: int) -> None:
+        self.param = param
+        self.expected = expected_uses
+        self.seen = 0
+        self.batch_size = batch_size
+        self.psg: Tensor | None = None
+
+    def add(self, psg: Tensor) -> None:
+        self.psg = psg if self.psg is None else self.psg + psg
+        self.seen += 1
+
+
+class Engine:
+    """State of one active `backpack(...)` context while backward passes run."""
+
+    def __init__(
+        self,
+        extensions: Sequence[BackpropExtension],
+        extension_hook: Callable[[nn.Module], None] | None,
+        debug: bool,
+        retain_graph: bool,
+    ) -> None:
+        self.extensions = list(extensions)
+        self.extension_hook = extension_hook
+        self.debug = debug
+        self.retain_graph = retain_graph
+        self.first_order = [e for e in self.extensions if isinstance(e, FirstOrderBackpropExtension)]
+        #: set while the engine itself runs autograd (factor propagation); hooks then do nothing
+        self.propagating = False
+        self._task_id: int | None = None
+        self._accumulators: dict[Tensor, _Accumulator] = {}
+        self._deferred_hooks: dict[nn.Module, Record] = {}
+        self._last_record: dict[nn.Module, Record] = {}
+
+    # --- pass bookkeeping --------------------------------------------------------------------
+    def _enter_pass(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task == self._task_id:
+            return
+        self.reset()
+        self._task_id = task
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_pass)
+
+    def reset(self) -> None:
+        """Forget everything about the current backward pass (also after an exception)."""
+        self._task_id = None
+        self._accumulators = {}
+        self._deferred_hooks = {}
+        self._last_record = {}
+
+    def _finish_pass(self) -> None:
+        try:
+            for acc in list(self._accumulators.values()):
+                self._finalize_accumulator(acc)
+            for module, record in list(self._deferred_hooks.items()):
+                self._after_module(module, record)
+        finally:
+            self.reset()
+
+    # --- entry point from the gradient hooks -------------------------------------------------
+    def on_module_backward(self, record: Record, grads: tuple[Tensor | None, ...]) -> None:
+        """Run the active extensions on one module call whose output gradients are known."""
+        if self.propagating:
+            return
+        self._enter_pass()
+        module = record.module
+        if record.disabled:
+            raise RuntimeError(
+                f"The forward of {module.__class__.__name__} ({module}) ran under "
+                "backpack.disable(), so nothing was recorded for the backward inside "
+                f"backpack({', '.join(map(repr, self.extensions))}). Run the forward outside "
+                "disable() to compute backpack quantities."
+            )
+        if record.freed:
+            raise RuntimeError(
+                f"What was recorded for {module.__class__.__name__} was freed after the previous "
+                "backward pass. To backpropagate several times through one forward, use "
+                "backpack(..., retain_graph=True) together with backward(retain_graph=True)."
+            )
+        if self.debug:
+            print(f"[backpack] backward through {module.__class__.__name__}")
+        deferred = self._run_first_order(record, grads)
+        if deferred:
+            self._deferred_hooks[module] = record
+        else:
+            self._after_module(module, record)
+
+    def _after_module(self, module: nn.Module, record: Record) -> None:
+        self._deferred_hooks.pop(module, None)
+        if self.extension_hook is not None:
+            module.input0 = record.args[0] if record.args else None
+            module.output = record.output_structure
+            try:
+                self.extension_hook(module)
+            finally:
+                for attr in ("input0", "output"):
+                    module.__dict__.pop(attr, None)
+        if not self.retain_graph:
+            record.free()
+
+    # --- first order ---------------------------------------------------------------------------
+    def _run_first_order(self, record: Record, grads: tuple[Tensor | None, ...]) -> bool:
+        """Compute first-order quantities of one call; True if some wait for other uses."""
+        try:
+            return self._first_order_quantities(record, grads)
+        except _SkipModule:
+            return False
+
+    def _first_order_quantities(self, record: Record, grads: tuple[Tensor | None, ...]) -> bool:
+        module = record.module
+        params = {
+            name: p for name, p in module.named_parameters(recurse=False) if p.requires_grad
+        }
+        if not params:
+            return False
+        builtin = []
+        for ext in self.extensions:
+            user_ext = ext.get_module_extension(module)
+            if user_ext is not None:
+                self._run_user_extension(user_ext, ext, record, grads)
+            elif isinstance(ext, FirstOrderBackpropExtension):
+                builtin.append(ext)
+            elif not getattr(ext, "_engine_handles", False):
+                self._unsupported(ext, module)
+        if not builtin:
+            return False
+        record.check_unmodified(builtin[0].__class__.__name__)
+        rule = self._rule_for(record, builtin)
+        if rule is None:
+            return False
+        if rule.mixes_samples(record):
+            builtin = self._check_sample_mixing(record, builtin)
+            if not builtin:
+                return False
+        grads = tuple(torch.zeros_like(o) if g is None else g for g, o in zip(grads, record.outputs))
+        batch_size = rule.batch_size(record)
+        direct, shared = [], []
+        for name, p in params.items():
+            uses = sum(len(live_records(m)) for m in param_owners(p))
+            (shared if uses > 1 else direct).append(name)
+        if direct:
+            with torch.no_grad():
+                quantities = _Quantities(rule, record, grads, direct, batch_size)
+                for ext in builtin:
+                    values = quantities.get(ext.quantity, ext.get_subsampling())
+                    for name in direct:
+                        setattr(params[name], ext.savefield, values[name])
+        for name in shared:
+            p = params[name]
+            acc = self._accumulators.get(p)
+            if acc is None:
+                uses = sum(len(live_records(m)) for m in param_owners(p))
+                acc = self._accumulators[p] = _Accumulator(p, uses, batch_size)
+            with torch.no_grad():
+                acc.add(rule.per_sample_grads(record, grads, [name])[name])
+            if acc.seen >= acc.expected:
+                self._finalize_accumulator(acc)
+        return any(p in self._accumulators for p in params.values())
+
+    def _finalize_accumulator(self, acc: _Accumulator) -> None:
+        self._accumulators.pop(acc.param, None)
+        if acc.psg is None:
+            return
+        with torch.no_grad():
+            quantities = _Quantities(None, None, (), ["p"], acc.batch_size, psg={"p": acc.psg})
+            for ext in self.first_order:
+                value = quantities.get(ext.quantity, ext.get_subsampling())["p"]
+                setattr(acc.param, ext.savefield, value)
+
+    def _rule_for(
+        self, record: Record, exts: list[FirstOrderBackpropExtension]
+    ) -> ModuleRule | None:
+        rule = find_rule(record.module)
+        if rule is not None:
+            return rule
+        cls = type(record.module)
+        if cls not in _WARNED_GENERIC:
+            _WARNED_GENERIC.add(cls)
+            warnings.warn(
+                f"backpack has no dedicated rule for {cls.__name__}; computing its per-sample "
+                "gradients with torch.func (correct, but slower).",
+                UserWarning,
+                stacklevel=2,
+            )
+        return _GenericGuard(exts)
+
+    def _check_sample_mixing(
+        self, record: Record, exts: list[FirstOrderBackpropExtension]
+    ) -> list[FirstOrderBackpropExtension]:
+        module = record.module
+        for ext in exts:
+            if ext.quantity != "grad_batch":
+                raise NotImplementedError(
+                    f"{ext.__class__.__name__} is undefined for {module.__class__.__name__} in "
+                    "training mode: it normalises with statistics of the whole batch, so samples "
+                    "are mixed. Call model.eval() before the forward pass."
+                )
+        warnings.warn(
+            f"{module.__class__.__name__} in training mode mixes samples through the batch "
+            "statistics: BatchGrad's per-sample results may be meaningless. Use eval mode "
+            "for true per-sample gradients.",
+            UserWarning,
+            stacklevel=2,
+        )
+        return exts
+
+    def _run_user_extension(
+        self, user_ext: Any, ext: BackpropExtension, record: Record, grads: tuple
+    ) -> None:
+        module = record.module
+        module.input0 = record.args[0] if record.args else None
+        module.output = record.output_structure
+        try:
+            with torch.no_grad():
+                user_ext.apply(ext, module, tuple(None for _ in record.args), grads)
+        finally:
+            for attr in ("input0", "output"):
+                module.__dict__.pop(attr, None)
+
+    def _unsupported(self, ext: BackpropExtension, module: nn.Module) -> None:
+        mode = getattr(ext, "_fail_mode", FAIL_ERROR)
+        if mode == FAIL_SILENT:
+            return
+        if mode == FAIL_ERROR:
+            raise NotImplementedError(
+                f"Extension saving to {ext.savefield} does not support module "
+                f"{module.__class__} (no module extension registered for it)."
+            )
+        warnings.warn(_unsupported_warning(ext, module), UserWarning, stacklevel=2)
+
+
+class _GenericGuard(FuncRule):
+    """The torch.func fallback; if it cannot handle a module, warn as for an unknown module."""
+
+    def __init__(self, exts: list[FirstOrderBackpropExtension]) -> None:
+        self._exts = exts
+
+    def per_sample_grads(self, record, grad_outputs, names, subsampling=None):  # noqa: D102
+        try:
+            return super().per_sample_grads(record, grad_outputs, names, subsampling)
+        except Exception as err:  # noqa: BLE001 - any failure means "cannot handle"
+            for ext in self._exts:
+                warnings.warn(
+                    _unsupported_warning(ext, record.module) + f" (torch.func failed: {err})",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            raise _SkipModule from err
+
+
+class _SkipModule(Exception):
+    """Internal: nothing can be computed for this module."""
+
+
+class backpack:  # noqa: N801 (public name of the original API)
+    """Context manager: backward passes inside it also compute the given extensions.
+
+    Args:
+        *exts: Extension instances, e.g. `BatchGrad()`, `DiagGGNExact()`.
+        extension_hook: Called with each module after all extensions ran on it (its recorded
+            input and output are available as `module.input0` and `module.output`).
+        debug: Print what happens, module by module.
+        retain_graph: Keep what was recorded after a backward, so that several backward passes
+            (with `backward(retain_graph=True)`) can run over one forward.
+
+    Raises:
+        ValueError: For a class instead of an instance, a non-extension, or two extensions
+            writing the same attribute.
+    """
+
+    def __init__(
+        self,
+        *exts: BackpropExtension,
+        extension_hook: Callable[[nn.Module], None] | None = None,
+        debug: bool = False,
+        retain_graph: bool = False,
+    ) -> None:
+        for ext in exts:
+            if isinstance(ext, type) and issubclass(ext, BackpropExtension):
+                raise ValueError(
+                    f"backpack() received a class instead of an instance: {ext.__name__}. "
+                    f"Instantiate it before passing it to backpack, e.g. {ext.__name__}()."
+                )
+            if not isinstance(ext, BackpropExtension):
+                raise ValueError(
+                    f"backpack() expects extension instances (BackpropExtension), got {ext!r}."
+                )
+        fields = [ext.savefield for ext in exts]
+        duplicates = sorted({f for f in fields if fields.count(f) > 1})
+        if duplicates:
+            raise ValueError(
+                f"Several extensions passed to backpack() write the same attribute(s) "
+                f"{duplicates}; pass each quantity once."
+            )
+        self.exts = tuple(exts)
+        self.extension_hook = extension_hook
+        self.debug = debug
+        self.retain_graph = retain_graph
+        self._engine: Engine | None = None
+
+    def __enter__(self) -> backpack:
+        self._engine = Engine(self.exts, self.extension_hook, self.debug, self.retain_graph)
+        CTX.engines.append(self._engine)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        engine = self._engine
+        if engine is not None:
+            engine.reset()
+            if engine in CTX.engines:
+                CTX.engines.remove(engine)
+        self._engine = None

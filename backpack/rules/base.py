@@ -1,0 +1,106 @@
+"""The rule registry: the math of each module type, and nothing about hooks or storage.
+
+A rule turns one recorded call of a module (its inputs and the gradients reaching its outputs) into
+per-sample parameter gradients, and optionally into fused reductions of them that skip
+materialising the `[N, *param.shape]` tensors. Rules are looked up along the module's class
+hierarchy, so subclasses of supported layers use their parent's rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor, nn
+
+from backpack.recording import Record
+
+GradOutputs = tuple[Tensor | None, ...]
+Names = Sequence[str]
+
+_RULES: dict[type[nn.Module], ModuleRule] = {}
+
+R = TypeVar("R", bound="type[ModuleRule]")
+
+
+class ModuleRule:
+    """Math for one module type. Subclasses implement at least `per_sample_grads`.
+
+    Every method receives the record of one module call, the gradients w.r.t. its outputs (in
+    the order of `record.outputs`) and the names of the parameters to compute; it returns a
+    dict from parameter name to tensor. Fused methods may return None to say "no cheaper
+    formula here": the engine then reduces the materialised per-sample gradients.
+    """
+
+    #: axis of the (first) input that indexes samples
+    def batch_axis(self, module: nn.Module) -> int:
+        """Axis of the module's inputs and outputs that indexes samples."""
+        return 0
+
+    def batch_size(self, record: Record) -> int:
+        """Number of samples in the recorded call."""
+        return record.args[0].shape[self.batch_axis(record.module)]
+
+    def mixes_samples(self, record: Record) -> bool:
+        """Whether the recorded call couples samples (then per-sample quantities are ill-defined)."""
+        return False
+
+    def per_sample_grads(
+        self,
+        record: Record,
+        grad_outputs: GradOutputs,
+        names: Names,
+        subsampling: Sequence[int] | None = None,
+    ) -> dict[str, Tensor]:
+        """Per-sample gradients `[N', *param.shape]` (N' = len(subsampling) if given)."""
+        raise NotImplementedError
+
+    def batch_l2(self, record: Record, grad_outputs: GradOutputs, names: Names) -> Any:
+        """Fused `[N]` squared norms of per-sample gradients, or None."""
+        return None
+
+    def sum_grad_squared(self, record: Record, grad_outputs: GradOutputs, names: Names) -> Any:
+        """Fused sum over samples of squared per-sample gradients, or None."""
+        return None
+
+    def batch_dot(self, record: Record, grad_outputs: GradOutputs, names: Names) -> Any:
+        """Fused `[N, N]` Gram matrix of per-sample gradients, or None."""
+        return None
+
+    def grad_sum(self, record: Record, grad_outputs: GradOutputs, names: Names) -> Any:
+        """Fused sum over samples of per-sample gradients (this call's gradient), or None."""
+        return None
+
+
+def register_rule(*module_classes: type[nn.Module]) -> Callable[[R], R]:
+    """Class decorator registering a rule for the given module classes."""
+
+    def decorator(rule_cls: R) -> R:
+        rule = rule_cls()
+        for cls in module_classes:
+            _RULES[cls] = rule
+        return rule_cls
+
+    return decorator
+
+
+def find_rule(module: nn.Module) -> ModuleRule | None:
+    """The rule for `module`'s class or its nearest registered base class."""
+    for cls in type(module).__mro__:
+        rule = _RULES.get(cls)
+        if rule is not None:
+            return rule
+    return None
+
+
+def registered_module_classes() -> list[type[nn.Module]]:
+    """All module classes with a dedicated rule (used to generate the docs' layer table)."""
+    return list(_RULES)
+
+
+def zeros_for_missing(grad_outputs: GradOutputs, outputs: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """Replace gradients autograd did not compute (outputs unused by the loss) by zeros."""
+    return tuple(
+        torch.zeros_like(out) if g is None else g for g, out in zip(grad_outputs, outputs)
+    )

@@ -1,0 +1,82 @@
+"""Generic per-sample gradients for any module, through `torch.func`.
+
+For a module without a dedicated rule, the per-sample gradient of sample n is the vector-Jacobian
+product of that sample's output gradient with a single-sample functional call of the module.
+`vmap` batches these products over the samples. This is slower than a hand-written rule (it reruns
+the module's forward) but exact for any module whose samples are independent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.func import functional_call, vjp, vmap
+
+from backpack.recording import Record, tensors_in
+from backpack.rules.base import GradOutputs, ModuleRule, Names
+
+
+def _cotangents(record: Record, grad_outputs: GradOutputs, out_tensors: list[Tensor]) -> list:
+    """Align the recorded output gradients with all tensors of the output structure."""
+    grads = iter(grad_outputs)
+    cotangents = []
+    for needs_grad, out in zip(record.out_requires_grad, out_tensors):
+        g = next(grads) if needs_grad else None
+        cotangents.append(torch.zeros_like(out) if g is None else g)
+    return cotangents
+
+
+class FuncRule(ModuleRule):
+    """Per-sample gradients of an arbitrary module via `vmap(vjp(functional_call))`."""
+
+    def per_sample_grads(
+        self,
+        record: Record,
+        grad_outputs: GradOutputs,
+        names: Names,
+        subsampling: Sequence[int] | None = None,
+    ) -> dict[str, Tensor]:
+        """Per-sample gradients for the parameters `names` of `record.module`."""
+        module = record.module
+        n = self.batch_size(record)
+        out_tensors = list(tensors_in(record.output_structure))
+        cotangents = _cotangents(record, grad_outputs, out_tensors)
+        params = {name: getattr(module, name).detach() for name in names}
+        args, kwargs = record.args, record.kwargs
+
+        def batched(t: Any) -> bool:
+            return isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == n
+
+        if subsampling is not None:
+            index = torch.as_tensor(subsampling, device=cotangents[0].device)
+            pick = lambda t: t.index_select(0, index) if batched(t) else t  # noqa: E731
+            args = tuple(pick(a) for a in args)
+            kwargs = {k: pick(v) for k, v in kwargs.items()}
+            cotangents = [pick(c) for c in cotangents]
+
+        arg_dims = tuple(0 if batched(a) else None for a in args)
+        kwarg_keys = [k for k, v in kwargs.items() if batched(v)]
+        static_kwargs = {k: v for k, v in kwargs.items() if k not in kwarg_keys}
+
+        def one_sample(sample_args: tuple, sample_kwargs: dict, sample_cots: list) -> dict:
+            call_args = tuple(
+                a.unsqueeze(0) if d == 0 else a for a, d in zip(sample_args, arg_dims)
+            )
+            call_kwargs = {k: v.unsqueeze(0) for k, v in sample_kwargs.items()}
+            call_kwargs.update(static_kwargs)
+
+            def f(p: dict) -> tuple[Tensor, ...]:
+                out = functional_call(module, p, call_args, call_kwargs)
+                return tuple(tensors_in(out))
+
+            _, pullback = vjp(f, params)
+            return pullback(tuple(c.unsqueeze(0) for c in sample_cots))[0]
+
+        batched_kwargs = {k: kwargs[k] for k in kwarg_keys}
+        with torch.enable_grad():
+            return vmap(one_sample, in_dims=(arg_dims, 0, 0), randomness="same")(
+                args, batched_kwargs, cotangents
+            )

@@ -1,0 +1,116 @@
+"""`nn.Linear`: y = x Wᵀ + b on inputs `[N, *, in]`; extra axes are summed per sample.
+
+With x_n of shape `[T, in]` and output gradient d_n `[T, out]`, the per-sample gradients are
+W: d_nᵀ x_n and b: Σ_t d_nt. For plain `[N, in]` inputs (T = 1) the squared norms, sums of squares
+and Gram matrices factor into products of small matrices, so they never materialise `[N, out, in]`.
+With T > 1 the Gram ("ghost") form costs N T² (in + out) against N T in out for materialising, and
+the cheaper one is used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from backpack.recording import Record
+from backpack.rules.base import GradOutputs, ModuleRule, Names, register_rule
+
+
+def _flat(record: Record, grad_outputs: GradOutputs) -> tuple[Tensor, Tensor]:
+    """Input `[N, T, in]` and output gradient `[N, T, out]` (T = 1 for 2-D inputs)."""
+    x, g = record.args[0], grad_outputs[0]
+    n = x.shape[0]
+    return x.reshape(n, -1, x.shape[-1]), g.reshape(n, -1, g.shape[-1])
+
+
+@register_rule(nn.Linear)
+class LinearRule(ModuleRule):
+    """Per-sample gradients and fused reductions of `nn.Linear`."""
+
+    def per_sample_grads(
+        self,
+        record: Record,
+        grad_outputs: GradOutputs,
+        names: Names,
+        subsampling: Sequence[int] | None = None,
+    ) -> dict[str, Tensor]:
+        """`[N, out, in]` weight and `[N, out]` bias gradients."""
+        x, g = _flat(record, grad_outputs)
+        if subsampling is not None:
+            index = torch.as_tensor(subsampling, device=x.device)
+            x, g = x[index], g[index]
+        result = {}
+        if "weight" in names:
+            result["weight"] = torch.einsum("nto,nti->noi", g, x)
+        if "bias" in names:
+            result["bias"] = g.sum(1)
+        return result
+
+    @staticmethod
+    def _ghost_is_cheaper(x: Tensor, g: Tensor) -> bool:
+        t = x.shape[1]
+        return t * t * (x.shape[2] + g.shape[2]) < t * x.shape[2] * g.shape[2]
+
+    def batch_l2(self, record: Record, grad_outputs: GradOutputs, names: Names) -> dict | None:
+        """‖d_nᵀ x_n‖² via Gram matrices of inputs and output gradients."""
+        x, g = _flat(record, grad_outputs)
+        result = {}
+        if "weight" in names:
+            if x.shape[1] == 1:
+                result["weight"] = (g.square().sum((1, 2))) * (x.square().sum((1, 2)))
+            elif self._ghost_is_cheaper(x, g):
+                gram_g = torch.bmm(g, g.transpose(1, 2))
+                gram_x = torch.bmm(x, x.transpose(1, 2))
+                result["weight"] = (gram_g * gram_x).sum((1, 2))
+            else:
+                result["weight"] = torch.einsum("nto,nti->noi", g, x).square().sum((1, 2))
+        if "bias" in names:
+            result["bias"] = g.sum(1).square().sum(1)
+        return result
+
+    def sum_grad_squared(
+        self, record: Record, grad_outputs: GradOutputs, names: Names
+    ) -> dict | None:
+        """Σ_n (d_nᵀ x_n)² as one matrix product for 2-D inputs."""
+        x, g = _flat(record, grad_outputs)
+        result = {}
+        if "weight" in names:
+            if x.shape[1] == 1:
+                result["weight"] = g[:, 0].square().T @ x[:, 0].square()
+            else:
+                result["weight"] = torch.einsum("nto,nti->noi", g, x).square().sum(0)
+        if "bias" in names:
+            result["bias"] = g.sum(1).square().sum(0)
+        return result
+
+    def batch_dot(self, record: Record, grad_outputs: GradOutputs, names: Names) -> dict | None:
+        """<g_n, g_m> = Σ_{t,s} (d_nt·d_ms)(x_nt·x_ms)."""
+        x, g = _flat(record, grad_outputs)
+        n, t = x.shape[0], x.shape[1]
+        result = {}
+        if "weight" in names:
+            if t == 1:
+                result["weight"] = (g[:, 0] @ g[:, 0].T) * (x[:, 0] @ x[:, 0].T)
+            elif n * t * t * (x.shape[2] + g.shape[2]) < (t + n) * x.shape[2] * g.shape[2]:
+                gg = torch.einsum("nto,mso->nmts", g, g)
+                xx = torch.einsum("nti,msi->nmts", x, x)
+                result["weight"] = (gg * xx).sum((2, 3))
+            else:
+                flat = torch.einsum("nto,nti->noi", g, x).flatten(1)
+                result["weight"] = flat @ flat.T
+        if "bias" in names:
+            b = g.sum(1)
+            result["bias"] = b @ b.T
+        return result
+
+    def grad_sum(self, record: Record, grad_outputs: GradOutputs, names: Names) -> dict | None:
+        """This call's contribution to the gradient."""
+        x, g = _flat(record, grad_outputs)
+        result = {}
+        if "weight" in names:
+            result["weight"] = torch.einsum("nto,nti->oi", g, x)
+        if "bias" in names:
+            result["bias"] = g.sum((0, 1))
+        return result

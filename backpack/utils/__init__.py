@@ -1,0 +1,1 @@
+"""Helper utilities: example data, brute-force references and small tensor tools."""
