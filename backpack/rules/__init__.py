@@ -1,6 +1,15 @@
-"""Per-module-type math, registered in one table (see `backpack.rules.base`)."""
+"""Per-module-type math, registered in one table (see `backpack.rules.base`).
 
-from backpack.rules import linear  # noqa: F401  (registers the rules)
+Every submodule of this package registers its rules on import; all are imported here.
+"""
+
+import importlib
+import pkgutil
+
 from backpack.rules.base import ModuleRule, find_rule, register_rule, registered_module_classes
+
+for _info in pkgutil.iter_modules(__path__):
+    if _info.name not in ("base", "generic"):
+        importlib.import_module(f"{__name__}.{_info.name}")
 
 __all__ = ["ModuleRule", "find_rule", "register_rule", "registered_module_classes"]
