@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from backpack import secondorder
 from backpack.context import CTX
 from backpack.extensions.backprop_extension import (
     FAIL_ERROR,
@@ -23,10 +24,13 @@ from backpack.extensions.backprop_extension import (
     BackpropExtension,
 )
 from backpack.extensions.firstorder.base import FirstOrderBackpropExtension
+from backpack.extensions.secondorder import SecondOrderBackpropExtension
 from backpack.recording import Record, live_records, param_owners
 from backpack.rules import find_rule
+from backpack.rules.activations import find_activation_rule
 from backpack.rules.base import ModuleRule
 from backpack.rules.generic import FuncRule
+from backpack.rules.losses import is_loss
 
 _GENERIC_RULE = FuncRule()
 _WARNED_GENERIC: set[type] = set()
@@ -124,6 +128,64 @@ class _Accumulator:
         self.seen += 1
 
 
+class _SecondOrderAccumulator:
+    """Second-order contributions of a parameter used several times in one graph.
+
+    The GGN of a shared parameter includes cross terms between its uses: its square-root
+    factor is the sum of the uses' factors, and matrix products sum over pairs of uses.
+    """
+
+    def __init__(self, param: Tensor, expected_uses: int) -> None:
+        self.param = param
+        self.expected = expected_uses
+        self.seen = 0
+        self.sqrt: dict[Any, Tensor] = {}
+        self.uses: dict[Any, list] = {}
+        self.exts: list = []
+
+    def add(self, engine: Engine, record: Record, rule: ModuleRule, name: str) -> None:
+        self.seen += 1
+        for ext in engine.second_order:
+            if ext.factor == "sum":
+                continue
+            if ext.residual is not None or ext.output == "kron":
+                raise NotImplementedError(
+                    f"{ext.__class__.__name__} does not support parameters used several times "
+                    f"in one forward ({record.module.__class__.__name__})."
+                )
+            if ext not in self.exts:
+                self.exts.append(ext)
+            entries = secondorder.entries_for(record, ext)
+            if ext.output == "mp":
+                self.uses.setdefault(ext, []).append((record, entries, name))
+                continue
+            if not entries:
+                continue
+            sqrt = rule.sqrt_factor(record, entries[0].factors, [name], ext.get_subsampling())
+            value = sqrt[name]
+            key = (ext.factor_key, tuple(ext.get_subsampling() or ()))
+            self.sqrt[key] = value if key not in self.sqrt else self.sqrt[key] + value
+
+    def values(self) -> dict[Any, Any]:
+        result = {}
+        for ext in self.exts:
+            if ext.output == "mp":
+                uses = self.uses.get(ext, [])
+                name = uses[0][2]
+                result[ext] = secondorder.matrix_product([(r, e) for r, e, _ in uses], name)
+                continue
+            sqrt = self.sqrt.get((ext.factor_key, tuple(ext.get_subsampling() or ())))
+            if sqrt is None:
+                sqrt = torch.zeros(1, 1, *self.param.shape, dtype=self.param.dtype)
+            if ext.output == "sqrt":
+                result[ext] = sqrt
+            elif ext.output == "batch_diag":
+                result[ext] = sqrt.square().sum(0)
+            else:
+                result[ext] = sqrt.square().sum((0, 1))
+        return result
+
+
 class Engine:
     """State of one active `backpack(...)` context while backward passes run."""
 
@@ -139,6 +201,12 @@ class Engine:
         self.debug = debug
         self.retain_graph = retain_graph
         self.first_order = [e for e in self.extensions if isinstance(e, FirstOrderBackpropExtension)]
+        self.second_order = [
+            e for e in self.extensions if isinstance(e, SecondOrderBackpropExtension)
+        ]
+        #: whether an extended loss started the second-order factors in this pass
+        self.loss_seen = False
+        self._second_acc: dict[Tensor, _SecondOrderAccumulator] = {}
         #: set while the engine itself runs autograd (factor propagation); hooks then do nothing
         self.propagating = False
         self._task_id: int | None = None
@@ -159,13 +227,17 @@ class Engine:
         """Forget everything about the current backward pass (also after an exception)."""
         self._task_id = None
         self._accumulators = {}
+        self._second_acc = {}
         self._deferred_hooks = {}
         self._last_record = {}
+        self.loss_seen = False
 
     def _finish_pass(self) -> None:
         try:
             for acc in list(self._accumulators.values()):
                 self._finalize_accumulator(acc)
+            for acc in list(self._second_acc.values()):
+                self._finalize_second(acc)
             for module, record in list(self._deferred_hooks.items()):
                 self._after_module(module, record)
         finally:
@@ -193,7 +265,16 @@ class Engine:
             )
         if self.debug:
             print(f"[backpack] backward through {module.__class__.__name__}")
+        if is_loss(module):
+            if self.second_order:
+                secondorder.on_loss_backward(self, record, grads)
+            self._after_module(module, record)
+            return
         deferred = self._run_first_order(record, grads)
+        if self.second_order:
+            if find_activation_rule(module) is not None:
+                secondorder.on_activation_backward(self, record, grads)
+            deferred = self._run_second_order(record, grads) or deferred
         if deferred:
             self._deferred_hooks[module] = record
         else:
@@ -270,6 +351,90 @@ class Engine:
             if acc.seen >= acc.expected:
                 self._finalize_accumulator(acc)
         return any(p in self._accumulators for p in params.values())
+
+    # --- second order --------------------------------------------------------------------------
+    def _run_second_order(self, record: Record, grads: tuple[Tensor | None, ...]) -> bool:
+        """Second-order quantities of one call; True if some wait for other uses."""
+        module = record.module
+        params = {
+            name: p for name, p in module.named_parameters(recurse=False) if p.requires_grad
+        }
+        if not params:
+            return False
+        exts = self.second_order
+        names = ", ".join(e.__class__.__name__ for e in exts)
+        if not self.loss_seen:
+            raise RuntimeError(
+                f"{names} could not find an extended loss function in this backward pass. "
+                "Second-order extensions start from the loss: extend it too, e.g. "
+                "lossfunc = extend(torch.nn.CrossEntropyLoss()), and call backward on its output."
+            )
+        rule = find_rule(module)
+        if rule is None:
+            rule = _GENERIC_RULE
+        if rule.mixes_samples(record):
+            raise NotImplementedError(
+                f"{names} are undefined for {module.__class__.__name__} in training mode: it "
+                "normalises with statistics of the whole batch, so samples are mixed. Call "
+                "model.eval() before the forward pass."
+            )
+        record.check_unmodified(exts[0].__class__.__name__)
+        direct, shared = [], []
+        for name, p in params.items():
+            uses = sum(len(live_records(m)) for m in param_owners(p))
+            (shared if uses > 1 else direct).append(name)
+        if direct:
+            with torch.no_grad():
+                for ext in exts:
+                    if ext.factor == "sum":
+                        continue  # KFRA writes its factors from the module chain
+                    values = self._second_order_values(ext, record, rule, direct)
+                    for name in direct:
+                        setattr(params[name], ext.savefield, values[name])
+        for name in shared:
+            p = params[name]
+            acc = self._second_acc.get(p)
+            if acc is None:
+                uses = sum(len(live_records(m)) for m in param_owners(p))
+                acc = self._second_acc[p] = _SecondOrderAccumulator(p, uses)
+            with torch.no_grad():
+                acc.add(self, record, rule, name)
+            if acc.seen >= acc.expected:
+                self._finalize_second(acc)
+        return any(p in self._second_acc for p in params.values())
+
+    def _second_order_values(
+        self, ext: SecondOrderBackpropExtension, record: Record, rule: ModuleRule, names: list
+    ) -> dict[str, Any]:
+        entries = secondorder.entries_for(record, ext)
+        module = record.module
+        if ext.output in ("diag", "batch_diag"):
+            if not entries:
+                zeros = secondorder.zero_like_params(module, names)
+                if ext.output == "diag":
+                    return zeros
+                n = rule.batch_size(record)
+                return {k: v.expand(n, *v.shape).clone() for k, v in zeros.items()}
+            return secondorder.reduce_entries(record, entries, names, ext.output == "batch_diag")
+        if ext.output == "sqrt":
+            return rule.sqrt_factor(record, entries[0].factors, names, ext.get_subsampling())
+        if ext.output == "kron":
+            kron = rule.kron_factors(record, entries[0].factors, names)
+            if kron is None:
+                raise NotImplementedError(
+                    f"Extension saving to {ext.savefield} ({ext.__class__.__name__}) does not "
+                    f"support module {module.__class__}: Kronecker factors are defined for "
+                    "Linear and convolution layers."
+                )
+            return kron
+        # "mp": a matrix-product closure per parameter
+        return {n: secondorder.matrix_product([(record, entries)], n) for n in names}
+
+    def _finalize_second(self, acc: _SecondOrderAccumulator) -> None:
+        self._second_acc.pop(acc.param, None)
+        with torch.no_grad():
+            for ext, value in acc.values().items():
+                setattr(acc.param, ext.savefield, value)
 
     def _finalize_accumulator(self, acc: _Accumulator) -> None:
         self._accumulators.pop(acc.param, None)

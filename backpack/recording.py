@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
 
 from backpack.context import CTX
 
@@ -44,6 +45,8 @@ class Record:
         "disabled",
         "freed",
         "extra",
+        "input_edges",
+        "inplace",
         "__weakref__",
     )
 
@@ -69,6 +72,9 @@ class Record:
         self.freed = False
         #: per-backward scratch space of the engine (second-order factors, ...)
         self.extra: dict[str, Any] = {}
+        #: autograd edges of the tensor inputs (None where an input needs no grad or aliases
+        #: an output, which would make the graph own a reference to itself)
+        self.input_edges: tuple[Any, ...] = ()
 
     @property
     def input0(self) -> Tensor:
@@ -87,6 +93,7 @@ class Record:
         self.outputs = ()
         self.output_structure = None
         self.extra = {}
+        self.input_edges = ()
         self.freed = True
 
     def check_unmodified(self, extension_name: str) -> None:
@@ -161,6 +168,8 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
             tuple(t.detach() for t in out_tensors),
             _detach(output),
         )
+        record.input_edges = tuple(_input_edge(a, out_tensors) for a in args)
+        record.inplace = any(a is o for a in args for o in out_tensors)
         for param in module.parameters(recurse=False):
             _register_owner(param, module)
     record.out_requires_grad = tuple(t.requires_grad for t in tensors_in(output))
@@ -184,7 +193,16 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
         for nr, tensor in enumerate(out_tensors):
             node = tensor.grad_fn
             if node is not None:
-                node.metadata.setdefault(GRAPH_METADATA_KEY, []).append((record, nr))
+                entry = (record, nr, tensor.output_nr)
+                node.metadata.setdefault(GRAPH_METADATA_KEY, []).append(entry)
+
+
+def _input_edge(arg: Any, out_tensors: list[Tensor]) -> Any:
+    if not isinstance(arg, Tensor) or not arg.requires_grad:
+        return None
+    if any(arg is out for out in out_tensors):
+        return None
+    return get_gradient_edge(arg)
 
 
 def _dispatch(record: Record, grads: tuple[Tensor | None, ...]) -> None:

@@ -8,6 +8,23 @@ from backpack.extensions.firstorder import (
     SumGradSquared,
     Variance,
 )
+from backpack.extensions.secondorder import (
+    GGNMP,
+    HBP,
+    HMP,
+    KFAC,
+    KFLR,
+    KFRA,
+    PCHMP,
+    BatchDiagGGNExact,
+    BatchDiagGGNMC,
+    BatchDiagHessian,
+    DiagGGNExact,
+    DiagGGNMC,
+    DiagHessian,
+    SqrtGGNExact,
+    SqrtGGNMC,
+)
 
 __all__ = [
     "BackpropExtension",
@@ -16,4 +33,19 @@ __all__ = [
     "SumGradSquared",
     "Variance",
     "BatchDotGrad",
+    "DiagGGNExact",
+    "DiagGGNMC",
+    "BatchDiagGGNExact",
+    "BatchDiagGGNMC",
+    "SqrtGGNExact",
+    "SqrtGGNMC",
+    "DiagHessian",
+    "BatchDiagHessian",
+    "KFAC",
+    "KFLR",
+    "KFRA",
+    "HBP",
+    "HMP",
+    "GGNMP",
+    "PCHMP",
 ]

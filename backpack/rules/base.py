@@ -73,6 +73,61 @@ class ModuleRule:
         return None
 
 
+    # --- second order ---------------------------------------------------------------------
+    def sqrt_factor(
+        self,
+        record: Record,
+        factors: Sequence[Tensor | None],
+        names: Names,
+        subsampling: Sequence[int] | None = None,
+    ) -> dict[str, Tensor]:
+        """Jᵀ f for each column of the factors at the outputs: `{name: [V, N, *param.shape]}`.
+
+        A column of the factor plays the role of an output gradient, so by default this is the
+        per-sample gradient batched over columns.
+        """
+        template = next(f for f in factors if f is not None)
+        filled = [
+            torch.zeros(template.shape[0], *out.shape, dtype=out.dtype, device=out.device)
+            if f is None
+            else f
+            for f, out in zip(factors, record.outputs)
+        ]
+
+        def one_column(*columns: Tensor) -> dict[str, Tensor]:
+            return self.per_sample_grads(record, columns, names, subsampling)
+
+        try:
+            return torch.func.vmap(one_column)(*filled)
+        except (RuntimeError, NotImplementedError):
+            per_column = [one_column(*cols) for cols in zip(*filled)]
+            return {n: torch.stack([c[n] for c in per_column]) for n in names}
+
+    def diag_from_factor(
+        self,
+        record: Record,
+        factors: Sequence[Tensor | None],
+        names: Names,
+        coef: Tensor | None,
+        per_sample: bool,
+    ) -> dict[str, Tensor]:
+        """Σ_v coef[v, n] (Jᵀ f_vn)², summed over n unless `per_sample`."""
+        sqrt = self.sqrt_factor(record, factors, names)
+        result = {}
+        for name, value in sqrt.items():
+            sq = value.square()
+            if coef is not None:
+                sq = sq * coef.reshape(*coef.shape, *([1] * (sq.dim() - 2)))
+            result[name] = sq.sum(0) if per_sample else sq.sum((0, 1))
+        return result
+
+    def kron_factors(
+        self, record: Record, factors: Sequence[Tensor | None], names: Names
+    ) -> dict[str, list[Tensor]] | None:
+        """Kronecker factors of each parameter's curvature block, or None if undefined."""
+        return None
+
+
 def register_rule(*module_classes: type[nn.Module]) -> Callable[[R], R]:
     """Class decorator registering a rule for the given module classes."""
 

@@ -8,12 +8,12 @@ the module's forward) but exact for any module whose samples are independent.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
-from torch.func import functional_call, vjp, vmap
+from torch import Tensor, nn
+from torch.func import functional_call, jvp, vjp, vmap
 
 from backpack.recording import Record, tensors_in
 from backpack.rules.base import GradOutputs, ModuleRule, Names
@@ -80,3 +80,55 @@ class FuncRule(ModuleRule):
             return vmap(one_sample, in_dims=(arg_dims, 0, 0), randomness="same")(
                 args, batched_kwargs, cotangents
             )
+
+
+def _functional_outputs(
+    module: nn.Module, args: tuple, kwargs: dict, name: str, requires_grad: tuple[bool, ...]
+) -> Callable[[Tensor], tuple[Tensor, ...]]:
+    """The module's differentiable outputs as a function of one parameter."""
+
+    def f(value: Tensor) -> tuple[Tensor, ...]:
+        out = functional_call(module, {name: value}, args, kwargs)
+        return tuple(t for t, rg in zip(tensors_in(out), requires_grad) if rg)
+
+    return f
+
+
+def jvp_outputs(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    name: str,
+    tangents: Tensor,
+    requires_grad: tuple[bool, ...],
+) -> list[Tensor]:
+    """J·M_k for each slice of `tangents` (`[K, *param.shape]`): `[K, *out_i]` per output."""
+    f = _functional_outputs(module, args, kwargs, name, requires_grad)
+    primal = getattr(module, name).detach()
+
+    def one(tangent: Tensor) -> tuple[Tensor, ...]:
+        return jvp(f, (primal,), (tangent,))[1]
+
+    with torch.enable_grad():
+        return list(vmap(one)(tangents))
+
+
+def vjp_params(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    name: str,
+    cotangents: list[Tensor | None],
+    requires_grad: tuple[bool, ...],
+) -> Tensor:
+    """Jᵀ·c_k summed over samples for each slice k of the output cotangents."""
+    f = _functional_outputs(module, args, kwargs, name, requires_grad)
+    primal = getattr(module, name).detach()
+    with torch.enable_grad():
+        outputs, pullback = vjp(f, primal)
+        k = next(c for c in cotangents if c is not None).shape[0]
+        filled = [
+            torch.zeros(k, *o.shape, dtype=o.dtype, device=o.device) if c is None else c
+            for c, o in zip(cotangents, outputs)
+        ]
+        return vmap(lambda *cs: pullback(tuple(cs))[0])(*filled)

@@ -114,3 +114,56 @@ class LinearRule(ModuleRule):
         if "bias" in names:
             result["bias"] = g.sum((0, 1))
         return result
+
+    # --- second order ---------------------------------------------------------------------
+    @staticmethod
+    def _flat_factor(record: Record, factors) -> Tensor:
+        """Factor at the output as `[V, N, T, out]`."""
+        f = factors[0]
+        return f.reshape(f.shape[0], f.shape[1], -1, f.shape[-1])
+
+    def sqrt_factor(self, record, factors, names, subsampling=None):  # noqa: D102
+        x = _flat(record, (record.outputs[0],))[0]
+        f = self._flat_factor(record, factors)
+        if subsampling is not None:
+            index = torch.as_tensor(subsampling, device=x.device)
+            x, f = x[index], f[:, index]
+        result = {}
+        if "weight" in names:
+            result["weight"] = torch.einsum("vnto,nti->vnoi", f, x)
+        if "bias" in names:
+            result["bias"] = f.sum(2)
+        return result
+
+    def diag_from_factor(self, record, factors, names, coef, per_sample):  # noqa: D102
+        x = _flat(record, (record.outputs[0],))[0]
+        f = self._flat_factor(record, factors)
+        if x.shape[1] != 1 and "weight" in names:
+            return super().diag_from_factor(record, factors, names, coef, per_sample)
+        result = {}
+        if "weight" in names:
+            f2 = f[:, :, 0].square()
+            if coef is not None:
+                f2 = f2 * coef.unsqueeze(-1)
+            x2 = x[:, 0].square()
+            spec = "vno,ni->noi" if per_sample else "vno,ni->oi"
+            result["weight"] = torch.einsum(spec, f2, x2)
+        if "bias" in names:
+            b2 = f.sum(2).square()
+            if coef is not None:
+                b2 = b2 * coef.unsqueeze(-1)
+            result["bias"] = b2.sum(0) if per_sample else b2.sum((0, 1))
+        return result
+
+    def kron_factors(self, record, factors, names):  # noqa: D102
+        # Sequence inputs [N, T, in] follow the "expand" convention: positions act as samples.
+        x = _flat(record, (record.outputs[0],))[0]
+        f = self._flat_factor(record, factors)
+        g = torch.einsum("vnto,vntp->op", f, f)
+        result = {}
+        if "weight" in names:
+            a = torch.einsum("nti,ntj->ij", x, x) / (x.shape[0] * x.shape[1])
+            result["weight"] = [g, a]
+        if "bias" in names:
+            result["bias"] = [g]
+        return result

@@ -1,0 +1,230 @@
+"""Second-order extensions: curvature of the loss w.r.t. each parameter block.
+
+All of them start from a symmetric factor S of the loss Hessian w.r.t. the model output (exact or
+Monte-Carlo sampled), which autograd propagates backward to every parametrized module; each
+module's rule turns the factor at its output into the requested quantity. The loss function must
+be `extend`-ed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from backpack.extensions.backprop_extension import BackpropExtension
+
+
+class SecondOrderBackpropExtension(BackpropExtension):
+    """A built-in second-order extension, described declaratively for the engine.
+
+    Attributes:
+        factor: "exact" (one column per output entry), "mc" (`mc_samples` sampled columns) or
+            "sum" (KFRA's batch-summed dense Hessian, backpropagated through the module chain).
+        output: What is stored: "diag", "batch_diag", "sqrt", "kron" or "mp" (a callable).
+        residual: None (GGN), "signed" (exact Hessian), "clip" or "abs" (positive-curvature
+            Hessian): how second derivatives of activations enter.
+    """
+
+    factor: str = "exact"
+    output: str = "diag"
+    residual: str | None = None
+    _engine_handles = True
+
+    def __init__(
+        self,
+        savefield: str,
+        mc_samples: int = 1,
+        subsampling: Sequence[int] | None = None,
+    ) -> None:
+        if self.factor == "mc" and (
+            isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1
+        ):
+            raise ValueError(
+                f"{self.__class__.__name__} needs mc_samples to be a positive integer, "
+                f"got {mc_samples!r}."
+            )
+        super().__init__(savefield, subsampling=subsampling)
+        self.mc_samples = mc_samples
+
+    @property
+    def factor_key(self) -> tuple:
+        """Identifies the loss-Hessian factor this extension needs (shared between extensions)."""
+        return ("mc", self.mc_samples) if self.factor == "mc" else (self.factor,)
+
+    def __repr__(self) -> str:
+        if self.factor == "mc":
+            return f"{self.__class__.__name__}(mc_samples={self.mc_samples})"
+        return f"{self.__class__.__name__}()"
+
+
+class DiagGGNExact(SecondOrderBackpropExtension):
+    """Diagonal of the generalised Gauss-Newton matrix, saved as `diag_ggn_exact`."""
+
+    def __init__(self) -> None:
+        super().__init__("diag_ggn_exact")
+
+
+class DiagGGNMC(SecondOrderBackpropExtension):
+    """Monte-Carlo estimate of the GGN diagonal, saved as `diag_ggn_mc`."""
+
+    factor = "mc"
+
+    def __init__(self, mc_samples: int = 1) -> None:
+        super().__init__("diag_ggn_mc", mc_samples=mc_samples)
+
+
+class BatchDiagGGNExact(SecondOrderBackpropExtension):
+    """Per-sample terms of the GGN diagonal `[N, *param.shape]`, saved as `diag_ggn_exact_batch`."""
+
+    output = "batch_diag"
+
+    def __init__(self) -> None:
+        super().__init__("diag_ggn_exact_batch")
+
+
+class BatchDiagGGNMC(SecondOrderBackpropExtension):
+    """Per-sample terms of the MC GGN diagonal, saved as `diag_ggn_mc_batch`."""
+
+    factor = "mc"
+    output = "batch_diag"
+
+    def __init__(self, mc_samples: int = 1) -> None:
+        super().__init__("diag_ggn_mc_batch", mc_samples=mc_samples)
+
+
+class SqrtGGNExact(SecondOrderBackpropExtension):
+    """Symmetric factor `Jᵀ S` of the GGN block `[V, N, *param.shape]`, saved as `sqrt_ggn_exact`.
+
+    Args:
+        subsampling: Indices of the samples to keep.
+    """
+
+    output = "sqrt"
+
+    def __init__(self, subsampling: Sequence[int] | None = None) -> None:
+        super().__init__("sqrt_ggn_exact", subsampling=subsampling)
+
+
+class SqrtGGNMC(SecondOrderBackpropExtension):
+    """Monte-Carlo symmetric factor of the GGN `[M, N, *param.shape]`, saved as `sqrt_ggn_mc`."""
+
+    factor = "mc"
+    output = "sqrt"
+
+    def __init__(self, mc_samples: int = 1, subsampling: Sequence[int] | None = None) -> None:
+        super().__init__("sqrt_ggn_mc", mc_samples=mc_samples, subsampling=subsampling)
+
+
+class DiagHessian(SecondOrderBackpropExtension):
+    """Exact diagonal of the Hessian (incl. activations' second derivatives), saved as `diag_h`."""
+
+    residual = "signed"
+
+    def __init__(self) -> None:
+        super().__init__("diag_h")
+
+
+class BatchDiagHessian(SecondOrderBackpropExtension):
+    """Per-sample terms of the Hessian diagonal `[N, *param.shape]`, saved as `diag_h_batch`."""
+
+    residual = "signed"
+    output = "batch_diag"
+
+    def __init__(self) -> None:
+        super().__init__("diag_h_batch")
+
+
+class GGNMP(SecondOrderBackpropExtension):
+    """Saves `ggnmp`: a function multiplying `[K, *param.shape]` by the parameter's GGN block."""
+
+    output = "mp"
+
+    def __init__(self) -> None:
+        super().__init__("ggnmp")
+
+
+class HMP(SecondOrderBackpropExtension):
+    """Saves `hmp`: a function multiplying `[K, *param.shape]` by the parameter's Hessian block."""
+
+    output = "mp"
+    residual = "signed"
+
+    def __init__(self) -> None:
+        super().__init__("hmp")
+
+
+class PCHMP(SecondOrderBackpropExtension):
+    """Saves `pchmp`: products with the positive-curvature Hessian block.
+
+    Args:
+        modify: How negative second derivatives of activations are made non-negative:
+            "clip" (set to zero) or "abs" (absolute value).
+    """
+
+    output = "mp"
+
+    def __init__(self, modify: str = "clip") -> None:
+        if modify not in ("clip", "abs"):
+            raise ValueError(f"PCHMP's modify must be 'clip' or 'abs', got {modify!r}.")
+        self.residual = modify
+        super().__init__("pchmp")
+        self.modify = modify
+
+
+class HBP(SecondOrderBackpropExtension):
+    """Kronecker-factored curvature (Hessian backpropagation), the family of KFAC/KFLR/KFRA.
+
+    Args:
+        savefield: Attribute name to save the list of Kronecker factors under.
+        curvature: "mc" (KFAC: sampled loss-Hessian factor), "exact" (KFLR) or "sum"
+            (KFRA: batch-averaged dense backpropagation through the module chain).
+        mc_samples: Number of MC samples for curvature "mc".
+    """
+
+    output = "kron"
+
+    def __init__(self, savefield: str = "hbp", curvature: str = "exact", mc_samples: int = 1):
+        if curvature not in ("mc", "exact", "sum"):
+            raise ValueError(f"HBP curvature must be 'mc', 'exact' or 'sum', got {curvature!r}.")
+        self.factor = curvature
+        super().__init__(savefield, mc_samples=mc_samples)
+
+
+class KFAC(HBP):
+    """Kronecker factors with a Monte-Carlo loss-Hessian factor, saved as `kfac`."""
+
+    def __init__(self, mc_samples: int = 1) -> None:
+        super().__init__("kfac", curvature="mc", mc_samples=mc_samples)
+
+
+class KFLR(HBP):
+    """Kronecker factors with the exact loss-Hessian factor, saved as `kflr`."""
+
+    def __init__(self) -> None:
+        super().__init__("kflr", curvature="exact")
+
+
+class KFRA(HBP):
+    """Kronecker factors with batch-averaged recursive curvature, saved as `kfra`."""
+
+    def __init__(self) -> None:
+        super().__init__("kfra", curvature="sum")
+
+
+__all__ = [
+    "SecondOrderBackpropExtension",
+    "DiagGGNExact",
+    "DiagGGNMC",
+    "BatchDiagGGNExact",
+    "BatchDiagGGNMC",
+    "SqrtGGNExact",
+    "SqrtGGNMC",
+    "DiagHessian",
+    "BatchDiagHessian",
+    "GGNMP",
+    "HMP",
+    "PCHMP",
+    "HBP",
+    "KFAC",
+    "KFLR",
+    "KFRA",
+]

@@ -1,0 +1,131 @@
+"""Elementwise activations: second derivatives for the Hessian's residual terms.
+
+Only the exact-Hessian extensions (DiagHessian, HMP) and PCHMP need these: for the GGN family,
+autograd propagates through activations without any rule. `is_curvature_free` lists the modules
+whose output is linear (or piecewise linear) in their input, which add no residual term.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from backpack.recording import Record
+
+
+class ActivationRule:
+    """φ''(z) of an elementwise activation, from the recorded input z."""
+
+    def __init__(self, d2: Callable[[nn.Module, Tensor], Tensor]) -> None:
+        self._d2 = d2
+
+    def second_derivative(self, record: Record) -> Tensor:
+        """φ'' at the recorded input, same shape as the input."""
+        return self._d2(record.module, record.args[0])
+
+
+def _sigmoid_d2(_: nn.Module, z: Tensor) -> Tensor:
+    s = torch.sigmoid(z)
+    return s * (1 - s) * (1 - 2 * s)
+
+
+def _tanh_d2(_: nn.Module, z: Tensor) -> Tensor:
+    t = torch.tanh(z)
+    return -2 * t * (1 - t * t)
+
+
+def _logsigmoid_d2(_: nn.Module, z: Tensor) -> Tensor:
+    s = torch.sigmoid(z)
+    return -s * (1 - s)
+
+
+def _elu_d2(module: nn.Module, z: Tensor) -> Tensor:
+    return torch.where(z > 0, torch.zeros_like(z), module.alpha * torch.exp(z))
+
+
+def _selu_d2(_: nn.Module, z: Tensor) -> Tensor:
+    alpha, scale = 1.6732632423543772, 1.0507009873554805
+    return torch.where(z > 0, torch.zeros_like(z), scale * alpha * torch.exp(z))
+
+
+def _celu_d2(module: nn.Module, z: Tensor) -> Tensor:
+    return torch.where(z > 0, torch.zeros_like(z), torch.exp(z / module.alpha) / module.alpha)
+
+
+def _softplus_d2(module: nn.Module, z: Tensor) -> Tensor:
+    bz = module.beta * z
+    s = torch.sigmoid(bz)
+    d2 = module.beta * s * (1 - s)
+    return torch.where(bz > module.threshold, torch.zeros_like(z), d2)
+
+
+def _silu_d2(_: nn.Module, z: Tensor) -> Tensor:
+    s = torch.sigmoid(z)
+    return s * (1 - s) * (2 + z * (1 - 2 * s))
+
+
+def _gelu_d2(module: nn.Module, z: Tensor) -> Tensor:
+    if module.approximate == "tanh":
+        with torch.enable_grad():
+            zz = z.detach().requires_grad_()
+            (d1,) = torch.autograd.grad(F.gelu(zz, approximate="tanh").sum(), zz, create_graph=True)
+            (d2,) = torch.autograd.grad(d1.sum(), zz)
+        return d2
+    pdf = torch.exp(-0.5 * z * z) / (2 * torch.pi) ** 0.5
+    return pdf * (2 - z * z)
+
+
+_RULES: dict[type[nn.Module], ActivationRule] = {
+    nn.Sigmoid: ActivationRule(_sigmoid_d2),
+    nn.Tanh: ActivationRule(_tanh_d2),
+    nn.LogSigmoid: ActivationRule(_logsigmoid_d2),
+    nn.ELU: ActivationRule(_elu_d2),
+    nn.SELU: ActivationRule(_selu_d2),
+    nn.CELU: ActivationRule(_celu_d2),
+    nn.Softplus: ActivationRule(_softplus_d2),
+    nn.SiLU: ActivationRule(_silu_d2),
+    nn.GELU: ActivationRule(_gelu_d2),
+}
+
+#: modules that are linear or piecewise linear in their input (no residual curvature)
+_CURVATURE_FREE: tuple[type[nn.Module], ...] = (
+    nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+    nn.ConvTranspose3d, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.Embedding,
+    nn.ReLU, nn.LeakyReLU, nn.ReLU6, nn.Hardtanh, nn.Threshold, nn.Identity, nn.Flatten,
+    nn.Unflatten, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
+    nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d,
+    nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d, nn.ZeroPad1d, nn.ZeroPad2d, nn.ZeroPad3d,
+    nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d, nn.ReflectionPad1d,
+    nn.ReflectionPad2d, nn.ReflectionPad3d, nn.ReplicationPad1d, nn.ReplicationPad2d,
+    nn.ReplicationPad3d, nn.modules.loss._Loss,
+)
+_EXTRA_CURVATURE_FREE: list[type[nn.Module]] = []
+
+
+def register_curvature_free(*module_classes: type[nn.Module]) -> None:
+    """Declare module classes linear in their input (e.g. custom containers like SumModule)."""
+    _EXTRA_CURVATURE_FREE.extend(module_classes)
+
+
+def register_activation(module_class: type[nn.Module], d2: Callable[[nn.Module, Tensor], Tensor]):
+    """Register φ'' for an elementwise activation module class."""
+    _RULES[module_class] = ActivationRule(d2)
+
+
+def find_activation_rule(module: nn.Module) -> ActivationRule | None:
+    """The second-derivative rule of an elementwise activation module, if any."""
+    for cls in type(module).__mro__:
+        if cls in _RULES:
+            return _RULES[cls]
+    return None
+
+
+def is_curvature_free(module: nn.Module) -> bool:
+    """Whether the module adds no second-derivative term w.r.t. its input."""
+    return isinstance(module, _CURVATURE_FREE) or isinstance(
+        module, tuple(_EXTRA_CURVATURE_FREE)
+    )
