@@ -1,0 +1,137 @@
+"""KFRA: Kronecker factors from batch-averaged recursive curvature.
+
+Starting from the batch-summed loss Hessian Ḡ (dense `[D, D]` over one sample's output), each
+step backward through the chain of modules replaces Ḡ by the batch average of Jₙᵀ Ḡ Jₙ, where Jₙ
+is sample n's Jacobian of that step. A parametrized module takes Ḡ at its output as its output
+factor. The products Jₙᵀ Ḡ Jₙ are formed from a square root Ḡ = L Lᵀ propagated by one batched
+vector-Jacobian product per step, so any module autograd can differentiate works, but the model
+must be a chain (no branches) and every intermediate feature dimension must be small enough for a
+dense `[D, D]` matrix.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import GradientEdge
+
+from backpack.recording import GRAPH_METADATA_KEY, Record
+from backpack.rules import find_rule
+
+if TYPE_CHECKING:  # pragma: no cover
+    from backpack.engine import Engine
+
+#: largest per-sample feature dimension for which KFRA forms dense curvature matrices
+MAX_KFRA_DIM = 4096
+
+
+def _nearest_records(edge: GradientEdge) -> list[tuple[Record, int, GradientEdge]]:
+    """The recorded module outputs first met walking backward from `edge`."""
+    found, stack, seen = [], [edge.node], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        tags = [t for t in node.metadata.get(GRAPH_METADATA_KEY, ()) if not t[0].freed]
+        if tags:
+            found.extend((r, i, GradientEdge(node, nr)) for r, i, nr in tags)
+            continue
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return found
+
+
+def _same_edge(a: GradientEdge, b: GradientEdge) -> bool:
+    return a.node is b.node and a.output_nr == b.output_nr
+
+
+def _matrix_sqrt(mat: Tensor) -> Tensor:
+    """L with L Lᵀ = mat for a symmetric positive semi-definite matrix (columns of L: `[D, r]`)."""
+    evals, evecs = torch.linalg.eigh((mat + mat.T) / 2)
+    keep = evals > evals.abs().max().clamp_min(1e-300) * mat.shape[0] * torch.finfo(mat.dtype).eps
+    return evecs[:, keep] * evals[keep].sqrt()
+
+
+def _sandwich(
+    engine: Engine, gbar: Tensor, src: GradientEdge, dst: GradientEdge, n: int, shape: tuple
+) -> Tensor:
+    """(1/N) Σₙ Jₙᵀ Ḡ Jₙ for the Jacobian from `dst` to `src` (both per-sample flattened)."""
+    from backpack.secondorder import propagate
+
+    root = _matrix_sqrt(gbar)  # [D_out, r]
+    cot = root.T.reshape(root.shape[1], 1, *shape).expand(root.shape[1], n, *shape)
+    (result,) = propagate(engine, src, [dst], cot.contiguous())
+    if result is None:
+        raise RuntimeError("KFRA: no gradient path between consecutive modules.")
+    flat = result.reshape(result.shape[0], n, -1)
+    return torch.einsum("rnd,rne->de", flat, flat) / n
+
+
+def _check_dim(dim: int, record: Record) -> None:
+    if dim > MAX_KFRA_DIM:
+        raise NotImplementedError(
+            f"KFRA needs a dense [D, D] curvature matrix at the output of "
+            f"{record.module.__class__.__name__}, with D = {dim} > {MAX_KFRA_DIM} "
+            "(backpack.kfra.MAX_KFRA_DIM). That is too large to be practical; use KFLR or KFAC, "
+            "which backpropagate factors of the loss Hessian instead of dense matrices."
+        )
+
+
+def start_kfra(engine: Engine, loss_record: Record, sum_hessian: Tensor) -> None:
+    """Run the KFRA recursion from the loss down the module chain and store the factors."""
+    exts = [e for e in engine.second_order if e.factor == "sum"]
+    edge = loss_record.input_edges[0]
+    out = loss_record.args[0]
+    n, shape = out.shape[0], tuple(out.shape[1:])
+    gbar = sum_hessian
+    results: list[tuple[Record, dict]] = []
+    with torch.no_grad():
+        while edge is not None:
+            nearest = _nearest_records(edge)
+            if not nearest:
+                break
+            if len({id(r) for r, _, _ in nearest}) > 1 or len(nearest[0][0].outputs) > 1:
+                modules = ", ".join(sorted({r.module.__class__.__name__ for r, _, _ in nearest}))
+                raise NotImplementedError(
+                    "KFRA needs the model to be a chain of modules; the graph branches into "
+                    f"{modules}. Use KFLR or KFAC for branching models."
+                )
+            record, _, out_edge = nearest[0]
+            out_shape = tuple(record.outputs[0].shape[1:])
+            if not _same_edge(edge, out_edge):
+                _check_dim(int(torch.tensor(out_shape).prod()), record)
+                gbar = _sandwich(engine, gbar, edge, out_edge, n, shape)
+            shape = out_shape
+            names = [
+                k for k, p in record.module.named_parameters(recurse=False) if p.requires_grad
+            ]
+            if names:
+                rule = find_rule(record.module)
+                root = _matrix_sqrt(gbar)
+                factor = root.T.reshape(root.shape[1], 1, *shape)
+                kron = None if rule is None else rule.kron_factors(record, [factor], names)
+                if kron is None:
+                    raise NotImplementedError(
+                        f"KFRA does not support module {record.module.__class__}: Kronecker "
+                        "factors are defined for Linear and convolution layers."
+                    )
+                results.append((record, kron))
+            if record.inplace:
+                raise NotImplementedError(
+                    f"KFRA cannot pass through the in-place module {record.module}; use "
+                    "inplace=False."
+                )
+            in_edge = record.input_edges[0] if record.input_edges else None
+            if in_edge is None or not _nearest_records(in_edge):
+                break
+            in_shape = tuple(record.args[0].shape[1:])
+            _check_dim(int(torch.tensor(in_shape).prod()), record)
+            gbar = _sandwich(engine, gbar, out_edge, in_edge, n, shape)
+            edge, shape = in_edge, in_shape
+    for record, kron in results:
+        params = dict(record.module.named_parameters(recurse=False))
+        for name, factors in kron.items():
+            for ext in exts:
+                setattr(params[name], ext.savefield, factors)
