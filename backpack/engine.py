@@ -145,6 +145,7 @@ class _SecondOrderAccumulator:
 
     def add(self, engine: Engine, record: Record, rule: ModuleRule, name: str) -> None:
         self.seen += 1
+        added = set()
         for ext in engine.second_order:
             if ext.factor == "sum":
                 continue
@@ -159,11 +160,12 @@ class _SecondOrderAccumulator:
             if ext.output == "mp":
                 self.uses.setdefault(ext, []).append((record, entries, name))
                 continue
-            if not entries:
+            key = (ext.factor_key, tuple(ext.get_subsampling() or ()))
+            if not entries or key in added:
                 continue
+            added.add(key)
             sqrt = rule.sqrt_factor(record, entries[0].factors, [name], ext.get_subsampling())
             value = sqrt[name]
-            key = (ext.factor_key, tuple(ext.get_subsampling() or ()))
             self.sqrt[key] = value if key not in self.sqrt else self.sqrt[key] + value
 
     def values(self) -> dict[Any, Any]:

@@ -54,33 +54,36 @@ def mlp():
 
 
 PROBLEMS = [
-    Problem("linear-mlp-ce-mean", mlp, randn(7, 6), tags={"first", "second"}),
+    Problem("linear-mlp-ce-mean", mlp, randn(7, 6), tags={"first", "second", "hessian", "kron"}),
     Problem(
         "linear-mlp-ce-sum", mlp, randn(7, 6), lambda: nn.CrossEntropyLoss(reduction="sum"),
-        tags={"first", "second"},
+        tags={"first", "second", "hessian", "kron"},
     ),
-    Problem("linear-mlp-mse-mean", mlp, randn(5, 6), lambda: nn.MSELoss(), tags={"first", "second"}),
+    Problem("linear-mlp-mse-mean", mlp, randn(5, 6), lambda: nn.MSELoss(), tags={"first", "second", "hessian", "kron"}),
     Problem(
         "linear-mlp-mse-sum", mlp, randn(5, 6), lambda: nn.MSELoss(reduction="sum"),
-        tags={"first", "second"},
+        tags={"first", "second", "hessian", "kron"},
     ),
     Problem(
         "linear-seq-input",
         lambda: nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(15, 2)),
         randn(6, 5, 4),
-        tags={"first", "second"},
+        tags={"first", "second", "hessian", "kron"},
+        options={"bias_block_is_G": False},
     ),
     Problem(
         "linear-seq-input-wide",
         lambda: nn.Sequential(nn.Linear(3, 40), nn.Tanh(), nn.Flatten(), nn.Linear(80, 2)),
         randn(4, 2, 3),
         lambda: nn.MSELoss(reduction="sum"),
-        tags={"first", "second"},
+        tags={"first", "second", "hessian", "kron"},
+        options={"bias_block_is_G": False},
     ),
     Problem("linear-nobias", lambda: nn.Sequential(nn.Linear(4, 3, bias=False)), randn(5, 4)),
     Problem("linear-two-uses", TwoUses, randn(6, 4), tags={"first", "second", "reuse"}),
     Problem("linear-shared-weight", SharedWeight, randn(6, 4), tags={"first", "second", "reuse"}),
     Problem(
-        "linear-inplace-residual", InplaceResidual, randn(6, 4), tags={"first", "second", "custom"}
+        "linear-inplace-residual", InplaceResidual, randn(6, 4),
+        tags={"first", "second", "custom", "hessian", "kron"},
     ),
 ]

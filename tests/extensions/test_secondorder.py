@@ -1,0 +1,169 @@
+"""Second-order extensions on every problem of the table, against brute-force torch.func."""
+
+import functools
+
+import pytest
+import torch
+from problems import problems_with
+from second_order_reference import Curvature
+
+from backpack import backpack, extend
+from backpack.extensions import (
+    GGNMP,
+    HMP,
+    KFAC,
+    KFLR,
+    KFRA,
+    PCHMP,
+    BatchDiagGGNExact,
+    BatchDiagGGNMC,
+    BatchDiagHessian,
+    DiagGGNExact,
+    DiagGGNMC,
+    DiagHessian,
+    SqrtGGNExact,
+    SqrtGGNMC,
+)
+
+SECOND = problems_with("second")
+HESSIAN = problems_with("hessian")
+KRON = problems_with("kron")
+ids = lambda problems: [p.id for p in problems]  # noqa: E731
+
+
+@functools.lru_cache(maxsize=None)
+def reference(problem_id, hessian):
+    problem = next(p for p in SECOND + HESSIAN if p.id == problem_id)
+    model, x, lossfunc, y = problem.build()
+    return Curvature(model, x, lossfunc, y, hessian=hessian)
+
+
+def run(problem, *exts):
+    model, x, lossfunc, y = problem.build()
+    extend(model)
+    extend(lossfunc)
+    loss = lossfunc(model(x), y)
+    with backpack(*exts):
+        loss.backward()
+    return model
+
+
+def close(actual, expected, msg=""):
+    torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-9, msg=msg)
+
+
+@pytest.mark.parametrize("problem", SECOND, ids=ids(SECOND))
+def test_ggn_family(problem):
+    ref = reference(problem.id, False)
+    model = run(problem, DiagGGNExact(), BatchDiagGGNExact(), SqrtGGNExact(), GGNMP())
+    for name, p in model.named_parameters():
+        close(p.diag_ggn_exact, ref.diag(ref.ggn, name), name)
+        close(p.diag_ggn_exact_batch, ref.diag(ref.ggn_per_sample, name), name)
+        sqrt = p.sqrt_ggn_exact.flatten(2)
+        assert p.sqrt_ggn_exact.shape[2:] == p.shape
+        close(torch.einsum("vnp,vnq->pq", sqrt, sqrt), ref.block(ref.ggn, name), name)
+        mat = torch.randn(3, *p.shape, dtype=p.dtype)
+        expected = (ref.block(ref.ggn, name) @ mat.flatten(1).T).T.reshape(mat.shape)
+        close(p.ggnmp(mat), expected, name)
+
+
+@pytest.mark.parametrize("problem", SECOND, ids=ids(SECOND))
+def test_sqrt_ggn_subsampling(problem):
+    subsampling = [1, 0, 1]
+    model = run(problem, SqrtGGNExact(subsampling=subsampling), SqrtGGNMC(2, subsampling))
+    ref = reference(problem.id, False)
+    for name, p in model.named_parameters():
+        sqrt = p.sqrt_ggn_exact
+        assert sqrt.shape[1] == 3 and p.sqrt_ggn_mc.shape[:2] == (2, 3)
+        for pos, n in enumerate(subsampling):
+            flat = sqrt[:, pos].flatten(1)
+            close(flat.T @ flat, ref.block(ref.ggn_per_sample[n], name), name)
+
+
+@pytest.mark.parametrize("problem", HESSIAN, ids=ids(HESSIAN))
+def test_hessian_family(problem):
+    ref = reference(problem.id, True)
+    model = run(
+        problem, DiagHessian(), BatchDiagHessian(), HMP(), PCHMP(modify="clip"),
+    )
+    for name, p in model.named_parameters():
+        close(p.diag_h, ref.diag(ref.hessian, name), name)
+        close(p.diag_h_batch, ref.diag(ref.hessian_per_sample, name), name)
+        mat = torch.randn(2, *p.shape, dtype=p.dtype)
+        expected = (ref.block(ref.hessian, name) @ mat.flatten(1).T).T.reshape(mat.shape)
+        close(p.hmp(mat), expected, name)
+        # the positive-curvature block lies between the GGN and GGN + |residual|
+        pch = p.pchmp(mat).flatten(1)
+        quad = (pch * mat.flatten(1)).sum(1)
+        ggn_quad = ((ref.block(ref.ggn, name) @ mat.flatten(1).T).T * mat.flatten(1)).sum(1)
+        assert (quad >= ggn_quad - 1e-9).all()
+
+
+@pytest.mark.parametrize("problem", KRON, ids=ids(KRON))
+def test_kflr_kfac_kfra_definitions(problem):
+    model = run(problem, KFLR(), KFAC(mc_samples=4))
+    ref = reference(problem.id, False)
+    for name, p in model.named_parameters():
+        factors = p.kflr
+        assert len(p.kfac) == len(factors)
+        for kflr, kfac in zip(factors, p.kfac):
+            assert kflr.shape == kfac.shape
+        if name.endswith("bias") and problem.options.get("bias_block_is_G", True):
+            # for Linear/Conv with 2-D outputs per sample, G is the bias block of the GGN
+            close(factors[0], ref.block(ref.ggn, name), name)
+
+
+def test_kfac_converges_to_kflr():
+    problem = next(p for p in KRON if p.id == "linear-mlp-ce-mean")
+    torch.manual_seed(1)
+    model = run(problem, KFLR(), KFAC(mc_samples=20000))
+    for p in model.parameters():
+        torch.testing.assert_close(p.kfac[0], p.kflr[0], rtol=0.05, atol=2e-3)
+
+
+@pytest.mark.parametrize("mc_ext,exact_ext", [(DiagGGNMC, DiagGGNExact), (BatchDiagGGNMC, BatchDiagGGNExact)])
+@pytest.mark.parametrize("problem_id", ["linear-mlp-ce-mean", "linear-mlp-mse-sum"])
+def test_mc_converges_and_is_reproducible(problem_id, mc_ext, exact_ext):
+    problem = next(p for p in SECOND if p.id == problem_id)
+    torch.manual_seed(3)
+    model = run(problem, mc_ext(mc_samples=20000), exact_ext())
+    exact_field, mc_field = exact_ext().savefield, mc_ext().savefield
+    first = {}
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(getattr(p, mc_field), getattr(p, exact_field), rtol=0.1, atol=1e-3)
+        first[name] = getattr(p, mc_field).clone()
+    torch.manual_seed(7)
+    model = run(problem, mc_ext(mc_samples=3))
+    torch.manual_seed(7)
+    again = run(problem, mc_ext(mc_samples=3))
+    for (name, p), q in zip(model.named_parameters(), again.parameters()):
+        close(getattr(p, mc_field), getattr(q, mc_field), name)
+
+
+def test_kfra_matches_recursion_and_single_layer_kflr():
+    x = torch.randn(6, 4, dtype=torch.float64)
+    y = torch.randint(0, 3, (6,))
+    lossfunc = extend(torch.nn.CrossEntropyLoss())
+    single = extend(torch.nn.Sequential(torch.nn.Linear(4, 3)).double())
+    with backpack(KFRA(), KFLR()):
+        lossfunc(single(x), y).backward()
+    for p in single.parameters():
+        for a, b in zip(p.kfra, p.kflr):
+            close(a, b)
+    model = extend(
+        torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Sigmoid(), torch.nn.Linear(5, 3)).double()
+    )
+    with backpack(KFRA()):
+        lossfunc(model(x), y).backward()
+    out = model(x).detach()
+    prob = out.softmax(1)
+    gbar = sum(torch.diag(prob[n]) - torch.outer(prob[n], prob[n]) for n in range(6)) / 6
+    w2 = model[2].weight.detach()
+    s = torch.sigmoid(model[0](x)).detach()
+    d = s * (1 - s)
+    g1 = w2.T @ gbar @ w2
+    g0 = sum(torch.diag(d[n]) @ g1 @ torch.diag(d[n]) for n in range(6)) / 6
+    close(model[2].weight.kfra[0], gbar)
+    close(model[0].weight.kfra[0], g0)
+    close(model[0].weight.kfra[1], x.T @ x / 6)
+    close(model[0].bias.kfra[0], g0)

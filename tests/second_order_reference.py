@@ -1,0 +1,67 @@
+"""Brute-force curvature references: GGN and Hessian blocks from torch.func in float64."""
+
+from __future__ import annotations
+
+import torch
+from problems import per_sample_losses
+from torch.func import functional_call, jacrev
+
+
+def _flatten_params(model):
+    names = [k for k, p in model.named_parameters() if p.requires_grad]
+    params = dict(model.named_parameters())
+    shapes = [params[k].shape for k in names]
+    flat = torch.cat([params[k].detach().flatten() for k in names])
+
+    def unflatten(vec):
+        out, i = {}, 0
+        for k, s in zip(names, shapes):
+            out[k] = vec[i : i + s.numel()].reshape(s)
+            i += s.numel()
+        return out
+
+    return names, shapes, flat, unflatten
+
+
+class Curvature:
+    """GGN and Hessian (full and per-sample) of a problem, split into parameter blocks."""
+
+    def __init__(self, model, x, lossfunc, y, hessian: bool = True, per_sample: bool = True):
+        self.names, self.shapes, flat, unflatten = _flatten_params(model)
+
+        def f(vec):
+            return functional_call(model, unflatten(vec), (x,))
+
+        out = f(flat).detach()
+        n = out.shape[0]
+        jac = jacrev(f)(flat).reshape(n, -1, flat.numel())  # [N, D, P]
+
+        def terms(o):
+            return per_sample_losses(lossfunc, o.reshape(out.shape), y)
+
+        # Hessian of each sample's term w.r.t. that sample's output: [N, D, D]
+        hess_out = jacrev(jacrev(lambda o: terms(o).sum()))(out.flatten())
+        d = jac.shape[1]
+        hess_out = hess_out.reshape(n, d, n, d)
+        blocks = torch.stack([hess_out[i, :, i, :] for i in range(n)])
+        self.ggn_per_sample = torch.einsum("ndp,nde,neq->npq", jac, blocks, jac)
+        self.ggn = self.ggn_per_sample.sum(0)
+        if hessian:
+            self.hessian = jacrev(jacrev(lambda v: lossfunc(f(v), y)))(flat)
+            if per_sample:
+                self.hessian_per_sample = torch.stack(
+                    [jacrev(jacrev(lambda v, i=i: terms(f(v))[i]))(flat) for i in range(n)]
+                )
+        self._offsets = {}
+        i = 0
+        for k, s in zip(self.names, self.shapes):
+            self._offsets[k] = (i, i + s.numel(), s)
+            i += s.numel()
+
+    def block(self, mat, name):
+        start, stop, _ = self._offsets[name]
+        return mat[..., start:stop, start:stop]
+
+    def diag(self, mat, name):
+        start, stop, shape = self._offsets[name]
+        return mat.diagonal(dim1=-2, dim2=-1)[..., start:stop].reshape(*mat.shape[:-2], *shape)
