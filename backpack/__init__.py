@@ -5,9 +5,18 @@ per-sample gradients, gradient statistics and curvature next to `.grad`.
 """
 
 from backpack import extensions  # noqa: F401
+from backpack.custom_module.graph_utils import convert_module_to_backpack
 from backpack.engine import backpack
 from backpack.recording import disable, extend, memory_cleanup
 
 __version__ = "0.1.0"
 
-__all__ = ["backpack", "extend", "disable", "memory_cleanup", "extensions", "__version__"]
+__all__ = [
+    "backpack",
+    "extend",
+    "disable",
+    "memory_cleanup",
+    "convert_module_to_backpack",
+    "extensions",
+    "__version__",
+]

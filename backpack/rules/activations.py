@@ -13,6 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from backpack.custom_module.branching import ActiveIdentity, SumModule
+from backpack.custom_module.pad import Pad
+from backpack.custom_module.permute import Permute
+from backpack.custom_module.reduce_tuple import ReduceTuple
+from backpack.custom_module.scale_module import ScaleModule
+from backpack.custom_module.slicing import Slicing
 from backpack.recording import Record
 
 
@@ -101,7 +107,8 @@ _CURVATURE_FREE: tuple[type[nn.Module], ...] = (
     nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d, nn.ZeroPad1d, nn.ZeroPad2d, nn.ZeroPad3d,
     nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d, nn.ReflectionPad1d,
     nn.ReflectionPad2d, nn.ReflectionPad3d, nn.ReplicationPad1d, nn.ReplicationPad2d,
-    nn.ReplicationPad3d, nn.modules.loss._Loss,
+    nn.ReplicationPad3d, nn.modules.loss._Loss, SumModule, ActiveIdentity, ScaleModule, Permute,
+    Slicing, Pad, ReduceTuple,
 )
 _EXTRA_CURVATURE_FREE: list[type[nn.Module]] = []
 
