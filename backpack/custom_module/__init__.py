@@ -1,0 +1,1 @@
+"""Helper modules that make more models expressible as plain containers of modules."""
