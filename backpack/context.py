@@ -1,12 +1,14 @@
 """Global state shared by recording and the engine.
 
-`CTX` holds the hook handles `extend` registered, the stack of active `backpack(...)` engines and the
-`disable()` depth. Client libraries import it (`from backpack.context import CTX`) to remove every
-hook backpack registered.
+`CTX` holds the hook handles `extend` registered, the stack of active `backpack(...)` engines
+and the `disable()` depth. Client libraries import it (`from backpack.context import CTX`) to
+remove every hook backpack registered.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.hooks import RemovableHandle
@@ -22,6 +24,8 @@ class _GlobalContext:
         self.hook_handles: list[RemovableHandle] = []
         self.engines: list[Engine] = []
         self.disabled_depth: int = 0
+        #: >0 while backpack itself re-runs modules (torch.func fallbacks): record nothing
+        self.internal_depth: int = 0
 
     # --- hooks -------------------------------------------------------------------------------
     def add_hook_handle(self, handle: RemovableHandle) -> None:
@@ -51,6 +55,15 @@ class _GlobalContext:
         """The extensions of the innermost active context (empty outside every context)."""
         engine = self.engine
         return list(engine.extensions) if engine is not None else []
+
+    @contextmanager
+    def internal(self) -> Iterator[None]:
+        """Run backpack's own module calls without recording them."""
+        self.internal_depth += 1
+        try:
+            yield
+        finally:
+            self.internal_depth -= 1
 
     @property
     def recording_disabled(self) -> bool:

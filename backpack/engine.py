@@ -202,7 +202,9 @@ class Engine:
         self.extension_hook = extension_hook
         self.debug = debug
         self.retain_graph = retain_graph
-        self.first_order = [e for e in self.extensions if isinstance(e, FirstOrderBackpropExtension)]
+        self.first_order = [
+            e for e in self.extensions if isinstance(e, FirstOrderBackpropExtension)
+        ]
         self.second_order = [
             e for e in self.extensions if isinstance(e, SecondOrderBackpropExtension)
         ]
@@ -219,7 +221,8 @@ class Engine:
     # --- pass bookkeeping --------------------------------------------------------------------
     def _enter_pass(self) -> None:
         task = torch._C._current_graph_task_id()
-        if task == self._task_id:
+        if task == self._task_id or self._task_id is not None:
+            # same pass, or a backward nested inside it (its end callback has not run yet)
             return
         self.reset()
         self._task_id = task
@@ -251,6 +254,13 @@ class Engine:
         if self.propagating:
             return
         self._enter_pass()
+        try:
+            self._process(record, grads)
+        except BaseException:
+            self.reset()  # the backward aborts: its end-of-pass callback will not run
+            raise
+
+    def _process(self, record: Record, grads: tuple[Tensor | None, ...]) -> None:
         module = record.module
         if record.disabled:
             raise RuntimeError(
@@ -305,9 +315,7 @@ class Engine:
 
     def _first_order_quantities(self, record: Record, grads: tuple[Tensor | None, ...]) -> bool:
         module = record.module
-        params = {
-            name: p for name, p in module.named_parameters(recurse=False) if p.requires_grad
-        }
+        params = {name: p for name, p in module.named_parameters(recurse=False) if p.requires_grad}
         if not params:
             return False
         builtin = []
@@ -329,7 +337,9 @@ class Engine:
             builtin = self._check_sample_mixing(record, builtin)
             if not builtin:
                 return False
-        grads = tuple(torch.zeros_like(o) if g is None else g for g, o in zip(grads, record.outputs))
+        grads = tuple(
+            torch.zeros_like(o) if g is None else g for g, o in zip(grads, record.outputs)
+        )
         batch_size = rule.batch_size(record)
         direct, shared = [], []
         for name, p in params.items():
@@ -358,9 +368,7 @@ class Engine:
     def _run_second_order(self, record: Record, grads: tuple[Tensor | None, ...]) -> bool:
         """Second-order quantities of one call; True if some wait for other uses."""
         module = record.module
-        params = {
-            name: p for name, p in module.named_parameters(recurse=False) if p.requires_grad
-        }
+        params = {name: p for name, p in module.named_parameters(recurse=False) if p.requires_grad}
         if not params:
             return False
         exts = self.second_order

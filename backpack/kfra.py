@@ -104,9 +104,7 @@ def start_kfra(engine: Engine, loss_record: Record, sum_hessian: Tensor) -> None
                 _check_dim(int(torch.tensor(out_shape).prod()), record)
                 gbar = _sandwich(engine, gbar, edge, out_edge, n, shape)
             shape = out_shape
-            names = [
-                k for k, p in record.module.named_parameters(recurse=False) if p.requires_grad
-            ]
+            names = [k for k, p in record.module.named_parameters(recurse=False) if p.requires_grad]
             if names:
                 rule = find_rule(record.module)
                 root = _matrix_sqrt(gbar)

@@ -143,6 +143,7 @@ def _detach(obj: Any) -> Any:
 
 
 def tensors_in(obj: Any) -> Iterator[Tensor]:
+    """All tensors in a (nested) tuple/list structure, depth first."""
     if isinstance(obj, Tensor):
         yield obj
     elif isinstance(obj, (tuple, list)):
@@ -152,7 +153,7 @@ def tensors_in(obj: Any) -> Iterator[Tensor]:
 
 def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     """Record the call for the next backward (only when it can be differentiated)."""
-    if not torch.is_grad_enabled():
+    if not torch.is_grad_enabled() or CTX.internal_depth:
         return
     out_tensors = [t for t in tensors_in(output) if t.requires_grad]
     if not out_tensors:

@@ -35,20 +35,60 @@ if TYPE_CHECKING:  # pragma: no cover
 #: graph nodes a residual-aware extension may meet outside modules: their second derivative
 #: vanishes (linear, or piecewise linear almost everywhere)
 _CURVATURE_FREE_NODES = {
-    "AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1", "NegBackward0",
-    "ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0", "PermuteBackward0",
-    "TransposeBackward0", "TransposeBackward1", "TBackward0", "CloneBackward0",
-    "ExpandBackward0", "SliceBackward0", "SelectBackward0", "CatBackward0", "StackBackward0",
-    "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2", "SqueezeBackward3",
-    "SqueezeBackward4", "UnsqueezeBackward0", "SumBackward0", "SumBackward1", "MeanBackward0",
-    "MeanBackward1", "ReluBackward0", "ThresholdBackward0", "ThresholdBackward1",
-    "torch::autograd::AccumulateGrad", "SplitBackward0", "SplitWithSizesBackward0", "UnbindBackward0",
-    "IndexBackward0", "ConstantPadNdBackward0", "FlattenBackward0", "AsStridedBackward0",
-    "MaxPool1DWithIndicesBackward0", "MaxPool2DWithIndicesBackward0",
-    "MaxPool3DWithIndicesBackward0", "AvgPool2DBackward0", "AvgPool3DBackward0",
-    "AdaptiveAvgPool2DBackward0", "AdaptiveAvgPool3DBackward0", "LeakyReluBackward0",
-    "LeakyReluBackward1", "HardtanhBackward0", "HardtanhBackward1", "CopySlices",
-    "AliasBackward0", "ExpandAsBackward0", "RepeatBackward0",
+    "AddBackward0",
+    "AddBackward1",
+    "SubBackward0",
+    "SubBackward1",
+    "NegBackward0",
+    "ViewBackward0",
+    "ReshapeAliasBackward0",
+    "UnsafeViewBackward0",
+    "PermuteBackward0",
+    "TransposeBackward0",
+    "TransposeBackward1",
+    "TBackward0",
+    "CloneBackward0",
+    "ExpandBackward0",
+    "SliceBackward0",
+    "SelectBackward0",
+    "CatBackward0",
+    "StackBackward0",
+    "SqueezeBackward0",
+    "SqueezeBackward1",
+    "SqueezeBackward2",
+    "SqueezeBackward3",
+    "SqueezeBackward4",
+    "UnsqueezeBackward0",
+    "SumBackward0",
+    "SumBackward1",
+    "MeanBackward0",
+    "MeanBackward1",
+    "ReluBackward0",
+    "ThresholdBackward0",
+    "ThresholdBackward1",
+    "torch::autograd::AccumulateGrad",
+    "SplitBackward0",
+    "SplitWithSizesBackward0",
+    "UnbindBackward0",
+    "IndexBackward0",
+    "ConstantPadNdBackward0",
+    "FlattenBackward0",
+    "AsStridedBackward0",
+    "MaxPool1DWithIndicesBackward0",
+    "MaxPool2DWithIndicesBackward0",
+    "MaxPool3DWithIndicesBackward0",
+    "AvgPool2DBackward0",
+    "AvgPool3DBackward0",
+    "AdaptiveAvgPool2DBackward0",
+    "AdaptiveAvgPool3DBackward0",
+    "LeakyReluBackward0",
+    "LeakyReluBackward1",
+    "HardtanhBackward0",
+    "HardtanhBackward1",
+    "CopySlices",
+    "AliasBackward0",
+    "ExpandAsBackward0",
+    "RepeatBackward0",
 }
 #: products and quotients are linear when only one operand depends on the parameters
 _LINEAR_IF_ONE_OPERAND = {"MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1"}
@@ -86,7 +126,11 @@ def propagate(
         try:
             return list(
                 torch.autograd.grad(
-                    [output_edge], targets, [factor], retain_graph=True, allow_unused=True,
+                    [output_edge],
+                    targets,
+                    [factor],
+                    retain_graph=True,
+                    allow_unused=True,
                     is_grads_batched=True,
                 )
             )
@@ -164,9 +208,7 @@ def check_module_graph(loss_record: Record, exts: list[SecondOrderBackpropExtens
         stack.extend(n for n, _ in node.next_functions)
 
 
-def on_loss_backward(
-    engine: Engine, record: Record, grads: tuple[Tensor | None, ...]
-) -> None:
+def on_loss_backward(engine: Engine, record: Record, grads: tuple[Tensor | None, ...]) -> None:
     """Factorise the loss Hessian and propagate it to all parametrized module outputs."""
     exts = engine.second_order
     module = record.module
@@ -297,9 +339,7 @@ def reduce_entries(
     return total
 
 
-def matrix_product(
-    uses: list[tuple[Record, list[Entry]]], name: str
-) -> Callable[[Tensor], Tensor]:
+def matrix_product(uses: list[tuple[Record, list[Entry]]], name: str) -> Callable[[Tensor], Tensor]:
     """A function M ↦ block · M for parameter `name`, the block being Σ_entries coef JᵀffᵀJ.
 
     `uses` lists each call of the parameter's module(s) with the entries at its outputs; entries
@@ -321,9 +361,7 @@ def matrix_product(
                 for factor, tangent in zip(entries[e].factors, outs):
                     if factor is None:
                         continue
-                    contrib = torch.einsum(
-                        "vnd,knd->kvn", factor.flatten(2), tangent.flatten(2)
-                    )
+                    contrib = torch.einsum("vnd,knd->kvn", factor.flatten(2), tangent.flatten(2))
                     t = contrib if t is None else t + contrib
             if t is None:
                 continue
@@ -332,7 +370,9 @@ def matrix_product(
                 t = t * coef
             for module, args, kwargs, req, entries in snapshots:
                 cots = [
-                    None if f is None else torch.einsum("kvn,vnd->knd", t, f.flatten(2)).reshape(
+                    None
+                    if f is None
+                    else torch.einsum("kvn,vnd->knd", t, f.flatten(2)).reshape(
                         t.shape[0], *f.shape[1:]
                     )
                     for f in entries[e].factors

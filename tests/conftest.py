@@ -5,6 +5,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+# tiny float64 problems: one thread avoids oversubscription when pytest-xdist runs workers
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

@@ -84,7 +84,9 @@ def _trace(module: nn.Module) -> fx.Graph:
         frames = [
             f for f in traceback.extract_tb(err.__traceback__) if "torch/fx" not in f.filename
         ]
-        where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+        where = (
+            f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+        )
         raise ConversionError(
             f"backpack's converter cannot trace {module.__class__.__name__}{where}: {err}. "
             "torch.fx tracing needs a forward without data-dependent Python control flow. Make "

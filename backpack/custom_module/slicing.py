@@ -20,7 +20,8 @@ class Slicing(nn.Module):
         slice_info = tuple(slice_info) if isinstance(slice_info, (tuple, list)) else (slice_info,)
         if not slice_info or slice_info[0] != slice(None):
             raise ValueError(
-                f"Slicing must keep the batch axis whole (first entry slice(None)); got {slice_info}."
+                "Slicing must keep the batch axis whole (first entry slice(None)); "
+                f"got {slice_info}."
             )
         self.slice_info = slice_info
 

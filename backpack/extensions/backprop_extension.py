@@ -53,7 +53,7 @@ class BackpropExtension:
         self._module_extensions[module] = extension
 
     def get_module_extension(self, module: nn.Module) -> ModuleExtension | None:
-        """The user-written module extension for `module`'s class (exact class first, then bases)."""
+        """The user-written module extension for `module`'s class (or its nearest base)."""
         for cls in type(module).__mro__:
             ext = self._module_extensions.get(cls)
             if ext is not None:

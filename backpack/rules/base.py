@@ -43,7 +43,7 @@ class ModuleRule:
         return record.args[0].shape[self.batch_axis(record.module)]
 
     def mixes_samples(self, record: Record) -> bool:
-        """Whether the recorded call couples samples (then per-sample quantities are ill-defined)."""
+        """Whether the recorded call couples samples (per-sample quantities are then undefined)."""
         return False
 
     def per_sample_grads(
@@ -71,7 +71,6 @@ class ModuleRule:
     def grad_sum(self, record: Record, grad_outputs: GradOutputs, names: Names) -> Any:
         """Fused sum over samples of per-sample gradients (this call's gradient), or None."""
         return None
-
 
     # --- second order ---------------------------------------------------------------------
     def sqrt_factor(
@@ -156,6 +155,4 @@ def registered_module_classes() -> list[type[nn.Module]]:
 
 def zeros_for_missing(grad_outputs: GradOutputs, outputs: Sequence[Tensor]) -> tuple[Tensor, ...]:
     """Replace gradients autograd did not compute (outputs unused by the loss) by zeros."""
-    return tuple(
-        torch.zeros_like(out) if g is None else g for g, out in zip(grad_outputs, outputs)
-    )
+    return tuple(torch.zeros_like(out) if g is None else g for g, out in zip(grad_outputs, outputs))

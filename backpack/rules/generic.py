@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jvp, vjp, vmap
 
+from backpack.context import CTX
 from backpack.recording import Record, tensors_in
 from backpack.rules.base import GradOutputs, ModuleRule, Names
 
@@ -50,16 +51,16 @@ class FuncRule(ModuleRule):
         def batched(t: Any) -> bool:
             return isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == n
 
-        if subsampling is not None:
-            index = torch.as_tensor(subsampling, device=cotangents[0].device)
-            pick = lambda t: t.index_select(0, index) if batched(t) else t  # noqa: E731
-            args = tuple(pick(a) for a in args)
-            kwargs = {k: pick(v) for k, v in kwargs.items()}
-            cotangents = [pick(c) for c in cotangents]
-
         arg_dims = tuple(0 if batched(a) else None for a in args)
         kwarg_keys = [k for k, v in kwargs.items() if batched(v)]
         static_kwargs = {k: v for k, v in kwargs.items() if k not in kwarg_keys}
+        if subsampling is not None:
+            index = torch.as_tensor(subsampling, device=cotangents[0].device)
+            args = tuple(a.index_select(0, index) if d == 0 else a for a, d in zip(args, arg_dims))
+            kwargs = {
+                k: (v.index_select(0, index) if k in kwarg_keys else v) for k, v in kwargs.items()
+            }
+            cotangents = [c.index_select(0, index) for c in cotangents]
 
         def one_sample(sample_args: tuple, sample_kwargs: dict, sample_cots: list) -> dict:
             call_args = tuple(
@@ -76,7 +77,7 @@ class FuncRule(ModuleRule):
             return pullback(tuple(c.unsqueeze(0) for c in sample_cots))[0]
 
         batched_kwargs = {k: kwargs[k] for k in kwarg_keys}
-        with torch.enable_grad():
+        with torch.enable_grad(), CTX.internal():
             return vmap(one_sample, in_dims=(arg_dims, 0, 0), randomness="same")(
                 args, batched_kwargs, cotangents
             )
@@ -109,7 +110,7 @@ def jvp_outputs(
     def one(tangent: Tensor) -> tuple[Tensor, ...]:
         return jvp(f, (primal,), (tangent,))[1]
 
-    with torch.enable_grad():
+    with torch.enable_grad(), CTX.internal():
         return list(vmap(one)(tangents))
 
 
@@ -124,7 +125,7 @@ def vjp_params(
     """Jᵀ·c_k summed over samples for each slice k of the output cotangents."""
     f = _functional_outputs(module, args, kwargs, name, requires_grad)
     primal = getattr(module, name).detach()
-    with torch.enable_grad():
+    with torch.enable_grad(), CTX.internal():
         outputs, pullback = vjp(f, primal)
         k = next(c for c in cotangents if c is not None).shape[0]
         filled = [

@@ -20,7 +20,9 @@ from backpack.recording import Record
 _LOSS_RULES: dict[type[nn.Module], LossRule] = {}
 
 
-def _eye_columns(shape: tuple[int, ...], n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+def _eye_columns(
+    shape: tuple[int, ...], n: int, dtype: torch.dtype, device: torch.device
+) -> Tensor:
     """`[D, N, *shape]` with column d the d-th unit vector (D = prod(shape)) for every sample."""
     d = math.prod(shape)
     eye = torch.eye(d, dtype=dtype, device=device).reshape(d, 1, *shape)

@@ -52,7 +52,11 @@ def test_quantity_matches_autograd(problem, quantity):
 def test_all_extensions_at_once_and_subsampling(problem):
     subsampling = [2, 0, 2]
     model, reference, _ = _run(
-        problem, BatchL2Grad(), SumGradSquared(), Variance(), BatchDotGrad(),
+        problem,
+        BatchL2Grad(),
+        SumGradSquared(),
+        Variance(),
+        BatchDotGrad(),
         BatchGrad(subsampling=subsampling),
     )
     for name, param in model.named_parameters():

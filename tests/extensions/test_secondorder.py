@@ -31,7 +31,7 @@ KRON = problems_with("kron")
 ids = lambda problems: [p.id for p in problems]  # noqa: E731
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(problem_id, hessian):
     problem = next(p for p in SECOND + HESSIAN if p.id == problem_id)
     model, x, lossfunc, y = problem.build()
@@ -84,7 +84,11 @@ def test_sqrt_ggn_subsampling(problem):
 def test_hessian_family(problem):
     ref = reference(problem.id, True)
     model = run(
-        problem, DiagHessian(), BatchDiagHessian(), HMP(), PCHMP(modify="clip"),
+        problem,
+        DiagHessian(),
+        BatchDiagHessian(),
+        HMP(),
+        PCHMP(modify="clip"),
     )
     for name, p in model.named_parameters():
         close(p.diag_h, ref.diag(ref.hessian, name), name)
@@ -121,7 +125,9 @@ def test_kfac_converges_to_kflr():
         torch.testing.assert_close(p.kfac[0], p.kflr[0], rtol=0.05, atol=2e-3)
 
 
-@pytest.mark.parametrize("mc_ext,exact_ext", [(DiagGGNMC, DiagGGNExact), (BatchDiagGGNMC, BatchDiagGGNExact)])
+@pytest.mark.parametrize(
+    "mc_ext,exact_ext", [(DiagGGNMC, DiagGGNExact), (BatchDiagGGNMC, BatchDiagGGNExact)]
+)
 @pytest.mark.parametrize("problem_id", ["linear-mlp-ce-mean", "linear-mlp-mse-sum"])
 def test_mc_converges_and_is_reproducible(problem_id, mc_ext, exact_ext):
     problem = next(p for p in SECOND if p.id == problem_id)
@@ -130,7 +136,9 @@ def test_mc_converges_and_is_reproducible(problem_id, mc_ext, exact_ext):
     exact_field, mc_field = exact_ext().savefield, mc_ext().savefield
     first = {}
     for name, p in model.named_parameters():
-        torch.testing.assert_close(getattr(p, mc_field), getattr(p, exact_field), rtol=0.1, atol=1e-3)
+        torch.testing.assert_close(
+            getattr(p, mc_field), getattr(p, exact_field), rtol=0.1, atol=1e-3
+        )
         first[name] = getattr(p, mc_field).clone()
     torch.manual_seed(7)
     model = run(problem, mc_ext(mc_samples=3))
@@ -151,7 +159,9 @@ def test_kfra_matches_recursion_and_single_layer_kflr():
         for a, b in zip(p.kfra, p.kflr):
             close(a, b)
     model = extend(
-        torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Sigmoid(), torch.nn.Linear(5, 3)).double()
+        torch.nn.Sequential(
+            torch.nn.Linear(4, 5), torch.nn.Sigmoid(), torch.nn.Linear(5, 3)
+        ).double()
     )
     with backpack(KFRA()):
         lossfunc(model(x), y).backward()

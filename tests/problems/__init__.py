@@ -79,7 +79,9 @@ def reference_per_sample_grads(
         grads = torch.autograd.grad(
             terms[n], list(params.values()), retain_graph=True, allow_unused=True
         )
-        rows.append([torch.zeros_like(p) if g is None else g for g, p in zip(grads, params.values())])
+        rows.append(
+            [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params.values())]
+        )
     return {k: torch.stack([r[i] for r in rows]) for i, k in enumerate(params)}
 
 
@@ -108,7 +110,6 @@ def _collect() -> list[Problem]:
     duplicates = {i for i in ids if ids.count(i) > 1}
     assert not duplicates, f"duplicate problem ids: {duplicates}"
     return problems
-
 
 
 def randn(*shape: int) -> Callable[[], Tensor]:

@@ -56,12 +56,24 @@ def mlp():
 PROBLEMS = [
     Problem("linear-mlp-ce-mean", mlp, randn(7, 6), tags={"first", "second", "hessian", "kron"}),
     Problem(
-        "linear-mlp-ce-sum", mlp, randn(7, 6), lambda: nn.CrossEntropyLoss(reduction="sum"),
+        "linear-mlp-ce-sum",
+        mlp,
+        randn(7, 6),
+        lambda: nn.CrossEntropyLoss(reduction="sum"),
         tags={"first", "second", "hessian", "kron"},
     ),
-    Problem("linear-mlp-mse-mean", mlp, randn(5, 6), lambda: nn.MSELoss(), tags={"first", "second", "hessian", "kron"}),
     Problem(
-        "linear-mlp-mse-sum", mlp, randn(5, 6), lambda: nn.MSELoss(reduction="sum"),
+        "linear-mlp-mse-mean",
+        mlp,
+        randn(5, 6),
+        lambda: nn.MSELoss(),
+        tags={"first", "second", "hessian", "kron"},
+    ),
+    Problem(
+        "linear-mlp-mse-sum",
+        mlp,
+        randn(5, 6),
+        lambda: nn.MSELoss(reduction="sum"),
         tags={"first", "second", "hessian", "kron"},
     ),
     Problem(
@@ -83,7 +95,9 @@ PROBLEMS = [
     Problem("linear-two-uses", TwoUses, randn(6, 4), tags={"first", "second", "reuse"}),
     Problem("linear-shared-weight", SharedWeight, randn(6, 4), tags={"first", "second", "reuse"}),
     Problem(
-        "linear-inplace-residual", InplaceResidual, randn(6, 4),
+        "linear-inplace-residual",
+        InplaceResidual,
+        randn(6, 4),
         tags={"first", "second", "custom", "hessian", "kron"},
     ),
 ]
