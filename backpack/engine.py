@@ -43,6 +43,14 @@ def _unsupported_warning(ext: BackpropExtension, module: nn.Module) -> str:
     )
 
 
+def _mixing_message(module: nn.Module) -> str:
+    return (
+        f"undefined for {module.__class__.__name__} ({module}): it normalises with statistics of "
+        "the whole batch, so samples are mixed. Call model.eval() before the forward pass (with "
+        "track_running_stats=True, so that running statistics are used)."
+    )
+
+
 class _Quantities:
     """Lazily computed first-order quantities of one module call (or of accumulated uses)."""
 
@@ -383,11 +391,7 @@ class Engine:
         if rule is None:
             rule = _GENERIC_RULE
         if rule.mixes_samples(record):
-            raise NotImplementedError(
-                f"{names} are undefined for {module.__class__.__name__} in training mode: it "
-                "normalises with statistics of the whole batch, so samples are mixed. Call "
-                "model.eval() before the forward pass."
-            )
+            raise NotImplementedError(f"{names} are {_mixing_message(module)}")
         record.check_unmodified(exts[0].__class__.__name__)
         direct, shared = [], []
         for name, p in params.items():
@@ -479,15 +483,12 @@ class Engine:
         module = record.module
         for ext in exts:
             if ext.quantity != "grad_batch":
-                raise NotImplementedError(
-                    f"{ext.__class__.__name__} is undefined for {module.__class__.__name__} in "
-                    "training mode: it normalises with statistics of the whole batch, so samples "
-                    "are mixed. Call model.eval() before the forward pass."
-                )
+                raise NotImplementedError(f"{ext.__class__.__name__} is {_mixing_message(module)}")
         warnings.warn(
-            f"{module.__class__.__name__} in training mode mixes samples through the batch "
-            "statistics: BatchGrad's per-sample results may be meaningless. Use eval mode "
-            "for true per-sample gradients.",
+            f"{module.__class__.__name__} normalises with statistics of the whole batch (training "
+            "mode or track_running_stats=False), so it mixes samples: BatchGrad's per-sample "
+            "results may be meaningless. Use eval mode with running statistics for true "
+            "per-sample gradients.",
             UserWarning,
             stacklevel=2,
         )

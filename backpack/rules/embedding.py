@@ -1,0 +1,137 @@
+"""`nn.Embedding`: output row (n, t) is weight row i_nt, for index inputs `[N, *]`.
+
+With the index tensor flattened per sample to `[N, T]` and the output gradient to `[N, T, D]`,
+sample n's weight gradient `[V, D]` is the scatter-add of its rows δ_nt at rows i_nt. Options of
+the layer change the rows that are scattered, never the scatter itself:
+
+- `padding_idx`: positions looking up that row contribute nothing;
+- `scale_grad_by_freq`: δ_nt is divided by how often i_nt occurs in the whole index tensor of the
+  call (as torch's backward does), so the per-sample gradients still sum to `.grad`;
+- `max_norm`: the forward renormalises weight rows in place; the gradient formula is unchanged;
+- `sparse`: only `.grad` is sparse; the quantities here are dense.
+
+Per-sample gradients are one `index_add_` into a flat `[N·V, D]` buffer. The reductions never build
+`[N, V, D]`: the distinct (sample, row) pairs of the batch (at most N·T of them) are found with
+`torch.unique`, their gradients summed into a `[U, D]` buffer, and squared norms and sums of
+squares scattered from there; the Gram matrix picks the cheaper of a dense product over the rows
+the batch actually uses and the pairwise "ghost" form Σ_{t,s} [i_nt = i_ms] δ_nt·δ_ms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from backpack.recording import Record
+from backpack.rules.base import GradOutputs, ModuleRule, Names, register_rule
+
+
+def _rows(record: Record, grad_outputs: GradOutputs) -> tuple[Tensor, Tensor]:
+    """Return indices `[N, T]` (int64) and effective output gradients `[N, T, D]`.
+
+    The gradients are masked at `padding_idx` and divided by the index frequencies when
+    `scale_grad_by_freq` is set, so that the weight gradient is a plain scatter-add of them.
+    """
+    module = record.module
+    idx, g = record.args[0], grad_outputs[0]
+    n = idx.shape[0]
+    idx = idx.reshape(n, -1).long()
+    g = g.reshape(n, idx.shape[1], g.shape[-1])
+    padding_idx = module.padding_idx
+    if padding_idx is not None:
+        if padding_idx < 0:
+            padding_idx += module.num_embeddings
+        g = g * (idx != padding_idx).unsqueeze(-1).to(g.dtype)
+    if module.scale_grad_by_freq:
+        _, inverse, counts = torch.unique(idx, return_inverse=True, return_counts=True)
+        g = g / counts[inverse].unsqueeze(-1).to(g.dtype)
+    return idx, g
+
+
+def _pair_sums(idx: Tensor, g: Tensor, num_embeddings: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Distinct (sample, row) pairs of the batch and their summed gradients.
+
+    Returns the sample `[U]`, the row `[U]` and the gradient `[U, D]` of each pair, i.e. the
+    nonzero rows of all per-sample gradients.
+    """
+    n = idx.shape[0]
+    keys = idx + num_embeddings * torch.arange(n, device=idx.device).unsqueeze(1)
+    unique_keys, inverse = torch.unique(keys.flatten(), return_inverse=True)
+    sums = g.new_zeros(unique_keys.shape[0], g.shape[-1])
+    sums.index_add_(0, inverse, g.reshape(-1, g.shape[-1]))
+    return unique_keys // num_embeddings, unique_keys % num_embeddings, sums
+
+
+@register_rule(nn.Embedding)
+class EmbeddingRule(ModuleRule):
+    """Per-sample gradients and fused reductions of `nn.Embedding`'s weight."""
+
+    def per_sample_grads(
+        self,
+        record: Record,
+        grad_outputs: GradOutputs,
+        names: Names,
+        subsampling: Sequence[int] | None = None,
+    ) -> dict[str, Tensor]:
+        """`[N, V, D]` weight gradients, scattered in one `index_add_`."""
+        if "weight" not in names:
+            return {}
+        idx, g = _rows(record, grad_outputs)  # frequencies from the full batch
+        if subsampling is not None:
+            index = torch.as_tensor(subsampling, device=idx.device)
+            idx, g = idx[index], g[index]
+        n, v, d = idx.shape[0], record.module.num_embeddings, g.shape[-1]
+        keys = idx + v * torch.arange(n, device=idx.device).unsqueeze(1)
+        out = g.new_zeros(n * v, d)
+        out.index_add_(0, keys.flatten(), g.reshape(-1, d))
+        return {"weight": out.view(n, v, d)}
+
+    def batch_l2(self, record: Record, grad_outputs: GradOutputs, names: Names) -> dict:
+        """`[N]` squared norms from the distinct (sample, row) pairs."""
+        if "weight" not in names:
+            return {}
+        idx, g = _rows(record, grad_outputs)
+        sample, _, sums = _pair_sums(idx, g, record.module.num_embeddings)
+        result = g.new_zeros(idx.shape[0])
+        result.index_add_(0, sample, sums.square().sum(1))
+        return {"weight": result}
+
+    def sum_grad_squared(self, record: Record, grad_outputs: GradOutputs, names: Names) -> dict:
+        """`[V, D]` sum of squares, scattered from the distinct (sample, row) pairs."""
+        if "weight" not in names:
+            return {}
+        idx, g = _rows(record, grad_outputs)
+        v = record.module.num_embeddings
+        _, row, sums = _pair_sums(idx, g, v)
+        result = g.new_zeros(v, g.shape[-1])
+        result.index_add_(0, row, sums.square())
+        return {"weight": result}
+
+    def batch_dot(self, record: Record, grad_outputs: GradOutputs, names: Names) -> dict:
+        """`[N, N]` Gram matrix, by the cheaper of a compact dense product and the ghost form."""
+        if "weight" not in names:
+            return {}
+        idx, g = _rows(record, grad_outputs)
+        n, t, d = g.shape
+        sample, row, sums = _pair_sums(idx, g, record.module.num_embeddings)
+        used_rows, compact_row = torch.unique(row, return_inverse=True)
+        used = used_rows.shape[0]
+        if n * t * t * (d + 1) <= used * d * (n + 1):
+            same_row = idx[:, None, :, None] == idx[None, :, None, :]
+            dots = torch.einsum("ntd,msd->nmts", g, g)
+            return {"weight": (dots * same_row.to(g.dtype)).sum((2, 3))}
+        dense = g.new_zeros(n, used, d)
+        dense[sample, compact_row] = sums
+        flat = dense.reshape(n, -1)
+        return {"weight": flat @ flat.T}
+
+    def grad_sum(self, record: Record, grad_outputs: GradOutputs, names: Names) -> dict:
+        """`[V, D]` gradient of this call, one scatter-add over all positions."""
+        if "weight" not in names:
+            return {}
+        idx, g = _rows(record, grad_outputs)
+        result = g.new_zeros(record.module.num_embeddings, g.shape[-1])
+        result.index_add_(0, idx.flatten(), g.reshape(-1, g.shape[-1]))
+        return {"weight": result}
