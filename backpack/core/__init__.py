@@ -1,0 +1,1 @@
+"""Framework-independent math shared by the rules (derivatives of module types)."""

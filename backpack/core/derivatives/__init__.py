@@ -1,0 +1,1 @@
+"""Derivatives of module types (convolutions, ...), shared by the rules."""

@@ -1,0 +1,256 @@
+"""Convolution-specific checks: both weight-gradient algorithms, fused paths, save-memory switch."""
+
+import pytest
+import torch
+from problems import first_order_reference, reference_per_sample_grads
+from problems.conv import PROBLEMS as CONV_PROBLEMS
+from torch import nn
+
+from backpack import backpack, extend
+from backpack.core.derivatives import convnd
+from backpack.core.derivatives.convnd import weight_jac_t_save_memory
+from backpack.extensions import BatchDotGrad, BatchGrad, BatchL2Grad, SumGradSquared, Variance
+from backpack.recording import Record
+from backpack.rules import conv as conv_rule
+from backpack.rules import find_rule
+
+D = torch.float64
+QUANTITIES = {
+    "grad_batch": BatchGrad,
+    "batch_l2": BatchL2Grad,
+    "sum_grad_squared": SumGradSquared,
+    "variance": Variance,
+    "batch_dot": BatchDotGrad,
+}
+
+# (module, input shape, forward kwargs)
+CASES = {
+    "conv1d-groups-dilation": (
+        lambda: nn.Conv1d(4, 6, 3, stride=2, padding=1, dilation=2, groups=2), (3, 4, 11), {}
+    ),
+    "conv1d-same-even-reflect": (
+        lambda: nn.Conv1d(2, 3, 4, padding="same", padding_mode="reflect"), (3, 2, 9), {}
+    ),
+    "conv2d-circular-groups": (
+        lambda: nn.Conv2d(
+            4, 6, (2, 3), stride=(2, 1), padding=(1, 2), dilation=(1, 2), groups=2,
+            padding_mode="circular",
+        ),
+        (3, 4, 7, 8),
+        {},
+    ),
+    "conv2d-same-even-dilated": (
+        lambda: nn.Conv2d(2, 3, (2, 4), padding="same", dilation=(2, 1)), (3, 2, 6, 7), {}
+    ),
+    "conv2d-large-circular-pad": (
+        lambda: nn.Conv2d(2, 3, 5, stride=3, padding=4, dilation=2, padding_mode="circular"),
+        (3, 2, 6, 7),
+        {},
+    ),
+    "conv2d-valid-replicate": (
+        lambda: nn.Conv2d(2, 3, 3, padding="valid", padding_mode="replicate"), (3, 2, 6, 7), {}
+    ),
+    "conv3d-replicate-groups": (
+        lambda: nn.Conv3d(
+            2, 4, (2, 3, 2), stride=(1, 2, 2), padding=(1, 0, 1), groups=2,
+            padding_mode="replicate",
+        ),
+        (2, 2, 5, 6, 5),
+        {},
+    ),
+    "convtranspose1d-outpad-groups": (
+        lambda: nn.ConvTranspose1d(4, 6, 3, stride=3, padding=1, output_padding=2, groups=2),
+        (3, 4, 5),
+        {},
+    ),
+    "convtranspose1d-outpad-beyond-stride": (
+        lambda: nn.ConvTranspose1d(2, 3, 3, stride=1, dilation=3, output_padding=2), (3, 2, 5), {}
+    ),
+    "convtranspose2d-output-size": (
+        lambda: nn.ConvTranspose2d(
+            2, 4, (3, 2), stride=(2, 3), padding=(1, 0), dilation=(2, 1), groups=2
+        ),
+        (3, 2, 4, 5),
+        {"output_size": [9, 14]},
+    ),
+    "convtranspose2d-padding-beyond-kernel": (
+        lambda: nn.ConvTranspose2d(2, 3, 2, padding=3, bias=False), (3, 2, 9, 9), {}
+    ),
+    "convtranspose3d-outpad": (
+        lambda: nn.ConvTranspose3d(2, 2, (2, 3, 2), stride=2, padding=(0, 1, 1),
+                                   output_padding=(1, 0, 1)),
+        (2, 2, 3, 4, 3),
+        {},
+    ),
+}
+
+
+def _brute_force(module, x, grad_out, kwargs):
+    """Per-sample parameter gradients of <module(x_n), grad_out_n>, one autograd call each."""
+    params = [p for p in module.parameters()]
+    rows = []
+    for n in range(x.shape[0]):
+        out = module(x[n : n + 1], **kwargs)
+        rows.append(torch.autograd.grad(out, params, grad_out[n : n + 1]))
+    return {
+        name: torch.stack([r[i] for r in rows])
+        for i, (name, _) in enumerate(module.named_parameters())
+    }
+
+
+def _case(name):
+    make, shape, kwargs = CASES[name]
+    torch.manual_seed(0)
+    module = make().to(D)
+    x = torch.randn(shape, dtype=D)
+    with torch.no_grad():
+        out = module(x, **kwargs)
+    grad_out = torch.randn_like(out)
+    return module, x, grad_out, kwargs
+
+
+def _record(module, x, out, kwargs):
+    return Record(module, (x,), kwargs, (out,), out)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_both_weight_gradient_algorithms_match_autograd(name, monkeypatch):
+    module, x, grad_out, kwargs = _case(name)
+    expected = _brute_force(module, x, grad_out, kwargs)
+    with torch.no_grad():
+        a, b = convnd.weight_grad_factors(module, x, grad_out)
+        unfolded = convnd.per_sample_weight_grads_from_factors(module, a, b)
+        batched = convnd.per_sample_weight_grads_vmap(module, x, grad_out)
+        summed = convnd.weight_grad_sum(module, x, grad_out)
+        # chunks of two samples, then of one
+        per_sample = convnd.unfolded_elements_per_sample(module, x, grad_out)
+        chunked = []
+        for budget in (2 * per_sample, 1):
+            monkeypatch.setitem(convnd._UNFOLD_CHUNK, "cpu", budget)
+            chunked.append(convnd.per_sample_weight_grads_unfold(module, x, grad_out))
+    for value in chunked:
+        torch.testing.assert_close(value, expected["weight"])
+    torch.testing.assert_close(unfolded, expected["weight"])
+    torch.testing.assert_close(batched, expected["weight"])
+    torch.testing.assert_close(summed, expected["weight"].sum(0))
+
+
+@pytest.mark.parametrize("save_memory", [False, True])
+@pytest.mark.parametrize("name", list(CASES))
+def test_rule_quantities_match_autograd(name, save_memory, monkeypatch):
+    # a tiny chunk budget makes the save-memory reductions run over several chunks
+    monkeypatch.setattr(conv_rule, "_CHUNK_BUDGET", 64)
+    module, x, grad_out, kwargs = _case(name)
+    expected = _brute_force(module, x, grad_out, kwargs)
+    rule = find_rule(module)
+    assert isinstance(rule, conv_rule.ConvRule)
+    record = _record(module, x, module(x, **kwargs).detach(), kwargs)
+    names = [n for n, _ in module.named_parameters()]
+    with torch.no_grad(), weight_jac_t_save_memory(save_memory):
+        psg = rule.per_sample_grads(record, (grad_out,), names)
+        sub = rule.per_sample_grads(record, (grad_out,), names, subsampling=[1, 0, 1])
+        fused = {
+            "batch_l2": rule.batch_l2(record, (grad_out,), names),
+            "sum_grad_squared": rule.sum_grad_squared(record, (grad_out,), names),
+            "batch_dot": rule.batch_dot(record, (grad_out,), names),
+        }
+        gsum = rule.grad_sum(record, (grad_out,), names)
+    for pname in names:
+        torch.testing.assert_close(psg[pname], expected[pname])
+        torch.testing.assert_close(sub[pname], expected[pname][[1, 0, 1]])
+        torch.testing.assert_close(gsum[pname], expected[pname].sum(0))
+        for quantity, value in fused.items():
+            if value is not None:
+                reference = first_order_reference(expected[pname], quantity)
+                torch.testing.assert_close(value[pname], reference, msg=f"{pname} {quantity}")
+    if save_memory:
+        assert fused["batch_l2"] is not None and fused["sum_grad_squared"] is not None
+
+
+@pytest.mark.parametrize(
+    "make, shape",
+    [
+        (lambda: nn.Conv2d(6, 8, 3, stride=2), (4, 6, 3, 3)),
+        (lambda: nn.Conv1d(6, 8, 3, groups=2, bias=False), (3, 6, 4)),
+        (lambda: nn.ConvTranspose2d(8, 6, 3, stride=2), (4, 8, 2, 1)),
+        (lambda: nn.Conv3d(4, 6, 2, padding="same", padding_mode="circular"), (3, 4, 1, 1, 2)),
+    ],
+)
+@pytest.mark.parametrize("save_memory", [False, True])
+def test_ghost_norms_are_used_on_small_outputs(make, shape, save_memory):
+    torch.manual_seed(0)
+    module = make().to(D)
+    x = torch.randn(shape, dtype=D)
+    with torch.no_grad():
+        out = module(x)
+    grad_out = torch.randn_like(out)
+    expected = _brute_force(module, x, grad_out, {})
+    record = _record(module, x, out, {})
+    rule = find_rule(module)
+    names = [n for n, _ in module.named_parameters()]
+    with torch.no_grad(), weight_jac_t_save_memory(save_memory):
+        l2 = rule.batch_l2(record, (grad_out,), names)
+        dot = rule.batch_dot(record, (grad_out,), names)
+    assert l2 is not None and dot is not None
+    for pname in names:
+        torch.testing.assert_close(l2[pname], first_order_reference(expected[pname], "batch_l2"))
+        torch.testing.assert_close(dot[pname], first_order_reference(expected[pname], "batch_dot"))
+
+
+FIRST = [p for p in CONV_PROBLEMS if "first" in p.tags]
+
+
+@pytest.mark.parametrize("problem", FIRST, ids=[p.id for p in FIRST])
+def test_save_memory_gives_the_same_numbers(problem):
+    model, x, lossfunc, y = problem.build()
+    reference = reference_per_sample_grads(model, x, lossfunc, y)
+    extend(model)
+    results = []
+    for save_memory in (False, True):
+        loss = lossfunc(model(x), y)
+        with weight_jac_t_save_memory(save_memory), backpack(*(e() for e in QUANTITIES.values())):
+            loss.backward()
+        results.append({
+            (name, q): getattr(p, q).clone() for name, p in model.named_parameters()
+            for q in QUANTITIES
+        })
+    for key, value in results[0].items():
+        torch.testing.assert_close(results[1][key], value, msg=str(key))
+        expected = first_order_reference(reference[key[0]], key[1])
+        torch.testing.assert_close(value, expected, msg=str(key))
+
+
+def test_save_memory_context_nests_and_restores():
+    assert not convnd.save_memory_enabled()
+    with weight_jac_t_save_memory():
+        assert convnd.save_memory_enabled()
+        with weight_jac_t_save_memory(save_memory=False):
+            assert not convnd.save_memory_enabled()
+        assert convnd.save_memory_enabled()
+    assert not convnd.save_memory_enabled()
+    with pytest.raises(ValueError), weight_jac_t_save_memory(True):
+        raise ValueError
+    assert not convnd.save_memory_enabled()
+
+
+def test_unbatched_input_is_one_sample():
+    torch.manual_seed(0)
+    conv = extend(nn.Conv2d(2, 3, 3, padding=1).to(D))
+    x = torch.randn(2, 4, 5, dtype=D)
+    with backpack(BatchGrad(), BatchL2Grad()):
+        conv(x).square().sum().backward()
+    for p in conv.parameters():
+        assert p.grad_batch.shape == (1, *p.shape)
+        torch.testing.assert_close(p.grad_batch[0], p.grad)
+        torch.testing.assert_close(p.batch_l2, p.grad.square().sum().reshape(1))
+
+
+def test_frozen_weight_only_bias():
+    torch.manual_seed(0)
+    conv = extend(nn.ConvTranspose1d(2, 3, 3, stride=2).to(D))
+    conv.weight.requires_grad_(False)
+    x = torch.randn(4, 2, 5, dtype=D)
+    with backpack(BatchGrad(), BatchL2Grad()):
+        conv(x).sin().sum().backward()
+    assert not hasattr(conv.weight, "grad_batch")
+    torch.testing.assert_close(conv.bias.grad_batch.sum(0), conv.bias.grad)
