@@ -23,6 +23,7 @@ import math
 from collections.abc import Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from backpack.core.derivatives import convnd
@@ -193,3 +194,65 @@ class ConvRule(ModuleRule):
         if "bias" in names:
             result["bias"] = g.sum((0, *range(2, g.dim())))
         return result
+
+    # --- second order ---------------------------------------------------------------------
+    def kron_factors(self, record, factors, names):  # noqa: D102
+        """`[G, A]` for the weight (`weight.transpose(0, 1)` for transposed convs), `[G]` bias.
+
+        G = Σ_{v,n} (Σ_l s_vnl)(Σ_l s_vnl)ᵀ sums the factor over output positions first (so it
+        equals the bias's curvature block); A is the batch mean of the unfolded input's outer
+        products summed over positions. For grouped convolutions A averages the groups' input
+        factors, which share the weight's `[in_channels / groups * K]` axis.
+        """
+        module = record.module
+        x = _input(record)
+        if _is_unbatched(module, x):
+            x = x.unsqueeze(0)
+        f = factors[0]
+        s = f.reshape(f.shape[0], f.shape[1], f.shape[2], -1).sum(-1)  # [V, N, C_out]
+        g = torch.einsum("vnc,vnd->cd", s, s)
+        result: dict[str, list[Tensor]] = {}
+        if "weight" in names:
+            n, groups = x.shape[0], module.groups
+            if convnd.is_transposed(module):
+                if groups != 1:
+                    raise NotImplementedError(
+                        f"Kronecker factors are not defined for grouped transposed convolutions "
+                        f"({module}): the groups share no common input factor."
+                    )
+                u = _transposed_unfold(module, x, f.shape[3:])
+            else:
+                xp, padding = convnd.pad_input(module, x)
+                u = convnd.unfold(
+                    xp, module.kernel_size, module.stride, module.dilation, padding, f.shape[3:]
+                )
+            u = u.reshape(n, groups, -1, u.shape[-1])
+            a = torch.einsum("ngkl,ngjl->kj", u, u) / (n * groups)
+            result["weight"] = [g, a]
+        if "bias" in names:
+            result["bias"] = [g]
+        return result
+
+
+def _transposed_unfold(module: nn.Module, x: Tensor, out_size: Sequence[int]) -> Tensor:
+    """For each output position of a transposed conv, the inputs each kernel offset meets.
+
+    A transposed convolution with a one-hot kernel per (channel, offset) pair scatters the input
+    exactly like the layer does: `[N, C_in * K, L_out]`.
+    """
+    c_in, k = x.shape[1], math.prod(module.kernel_size)
+    dims = convnd.spatial_dims(module)
+    eye = torch.eye(k, dtype=x.dtype, device=x.device).reshape(1, k, *module.kernel_size)
+    weight = eye.expand(c_in, k, *module.kernel_size)
+    conv_t = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[dims - 1]
+    u = conv_t(
+        x,
+        weight,
+        None,
+        module.stride,
+        module.padding,
+        convnd.transpose_output_padding(module, x, out_size),
+        c_in,
+        module.dilation,
+    )
+    return u.reshape(x.shape[0], c_in * k, -1)

@@ -17,10 +17,8 @@ from torch import nn
 from problems import DTYPE, Problem, randn
 
 ALL = {"first", "second", "hessian", "kron"}
-#: TODO: ALL once the convolution rule provides Kronecker factors
-CONV = {"first", "second", "hessian"}
-#: a convolution's G sums s sᵀ over output positions, while its bias block is (Σ s)(Σ s)ᵀ
-CONV_OPTIONS = {"bias_block_is_G": False}
+CONV = ALL
+CONV_OPTIONS: dict = {}
 
 
 def with_head(body: list[nn.Module], in_shape: tuple[int, ...], classes: int = 3) -> nn.Sequential:
