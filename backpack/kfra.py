@@ -11,6 +11,7 @@ dense `[D, D]` matrix.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,6 +20,7 @@ from torch.autograd.graph import GradientEdge
 
 from backpack.recording import GRAPH_METADATA_KEY, Record
 from backpack.rules import find_rule
+from backpack.rules.base import ModuleRule
 
 if TYPE_CHECKING:  # pragma: no cover
     from backpack.engine import Engine
@@ -69,65 +71,84 @@ def _sandwich(
     return torch.einsum("rnd,rne->de", flat, flat) / n
 
 
-def _check_dim(dim: int, record: Record) -> None:
+def _check_dim(shape: tuple[int, ...], where: str) -> None:
+    dim = math.prod(shape)
     if dim > MAX_KFRA_DIM:
         raise NotImplementedError(
-            f"KFRA needs a dense [D, D] curvature matrix at the output of "
-            f"{record.module.__class__.__name__}, with D = {dim} > {MAX_KFRA_DIM} "
-            "(backpack.kfra.MAX_KFRA_DIM). That is too large to be practical; use KFLR or KFAC, "
-            "which backpropagate factors of the loss Hessian instead of dense matrices."
+            f"KFRA needs a dense [D, D] curvature matrix at the {where}, with D = {dim} > "
+            f"{MAX_KFRA_DIM} (backpack.kfra.MAX_KFRA_DIM). That is too large to be practical; "
+            "use KFLR or KFAC, which backpropagate factors of the loss Hessian instead of dense "
+            "matrices."
         )
+
+
+def _plan(loss_record: Record) -> list[tuple]:
+    """Walk the module chain from the loss without computing anything; check it is feasible.
+
+    Returns steps ("sandwich", src, dst, src_shape) and ("store", record, shape).
+    """
+    edge = loss_record.input_edges[0]
+    shape = tuple(loss_record.args[0].shape[1:])
+    steps: list[tuple] = []
+    while edge is not None:
+        nearest = _nearest_records(edge)
+        if not nearest:
+            break
+        if len({id(r) for r, _, _ in nearest}) > 1 or len(nearest[0][0].outputs) > 1:
+            modules = ", ".join(sorted({r.module.__class__.__name__ for r, _, _ in nearest}))
+            raise NotImplementedError(
+                "KFRA needs the model to be a chain of modules; the graph branches into "
+                f"{modules}. Use KFLR or KFAC for branching models."
+            )
+        record, _, out_edge = nearest[0]
+        name = record.module.__class__.__name__
+        out_shape = tuple(record.outputs[0].shape[1:])
+        if not _same_edge(edge, out_edge):
+            _check_dim(out_shape, f"output of {name}")
+            steps.append(("sandwich", edge, out_edge, shape))
+        shape = out_shape
+        if any(p.requires_grad for p in record.module.parameters(recurse=False)):
+            rule = find_rule(record.module)
+            if rule is None or type(rule).kron_factors is ModuleRule.kron_factors:
+                raise NotImplementedError(
+                    f"KFRA does not support module {record.module.__class__}: Kronecker "
+                    "factors are defined for Linear and convolution layers."
+                )
+            steps.append(("store", record, shape))
+        if record.inplace:
+            raise NotImplementedError(
+                f"KFRA cannot pass through the in-place module {record.module}; use inplace=False."
+            )
+        in_edge = record.input_edges[0] if record.input_edges else None
+        if in_edge is None or not _nearest_records(in_edge):
+            break
+        in_shape = tuple(record.args[0].shape[1:])
+        _check_dim(in_shape, f"input of {name}")
+        steps.append(("sandwich", out_edge, in_edge, shape))
+        edge, shape = in_edge, in_shape
+    return steps
 
 
 def start_kfra(engine: Engine, loss_record: Record, sum_hessian: Tensor) -> None:
     """Run the KFRA recursion from the loss down the module chain and store the factors."""
     exts = [e for e in engine.second_order if e.factor == "sum"]
-    edge = loss_record.input_edges[0]
-    out = loss_record.args[0]
-    n, shape = out.shape[0], tuple(out.shape[1:])
+    steps = _plan(loss_record)
+    n = loss_record.args[0].shape[0]
     gbar = sum_hessian
     results: list[tuple[Record, dict]] = []
     with torch.no_grad():
-        while edge is not None:
-            nearest = _nearest_records(edge)
-            if not nearest:
-                break
-            if len({id(r) for r, _, _ in nearest}) > 1 or len(nearest[0][0].outputs) > 1:
-                modules = ", ".join(sorted({r.module.__class__.__name__ for r, _, _ in nearest}))
-                raise NotImplementedError(
-                    "KFRA needs the model to be a chain of modules; the graph branches into "
-                    f"{modules}. Use KFLR or KFAC for branching models."
-                )
-            record, _, out_edge = nearest[0]
-            out_shape = tuple(record.outputs[0].shape[1:])
-            if not _same_edge(edge, out_edge):
-                _check_dim(int(torch.tensor(out_shape).prod()), record)
-                gbar = _sandwich(engine, gbar, edge, out_edge, n, shape)
-            shape = out_shape
-            names = [k for k, p in record.module.named_parameters(recurse=False) if p.requires_grad]
-            if names:
-                rule = find_rule(record.module)
-                root = _matrix_sqrt(gbar)
-                factor = root.T.reshape(root.shape[1], 1, *shape)
-                kron = None if rule is None else rule.kron_factors(record, [factor], names)
-                if kron is None:
-                    raise NotImplementedError(
-                        f"KFRA does not support module {record.module.__class__}: Kronecker "
-                        "factors are defined for Linear and convolution layers."
-                    )
-                results.append((record, kron))
-            if record.inplace:
-                raise NotImplementedError(
-                    f"KFRA cannot pass through the in-place module {record.module}; use "
-                    "inplace=False."
-                )
-            in_edge = record.input_edges[0] if record.input_edges else None
-            if in_edge is None or not _nearest_records(in_edge):
-                break
-            in_shape = tuple(record.args[0].shape[1:])
-            _check_dim(int(torch.tensor(in_shape).prod()), record)
-            gbar = _sandwich(engine, gbar, out_edge, in_edge, n, shape)
-            edge, shape = in_edge, in_shape
+        for step in steps:
+            if step[0] == "sandwich":
+                _, src, dst, shape = step
+                gbar = _sandwich(engine, gbar, src, dst, n, shape)
+                continue
+            _, record, shape = step
+            names = [
+                k for k, p in record.module.named_parameters(recurse=False) if p.requires_grad
+            ]
+            root = _matrix_sqrt(gbar)
+            factor = root.T.reshape(root.shape[1], 1, *shape)
+            results.append((record, find_rule(record.module).kron_factors(record, [factor], names)))
     for record, kron in results:
         params = dict(record.module.named_parameters(recurse=False))
         for name, factors in kron.items():

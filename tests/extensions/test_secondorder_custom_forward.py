@@ -27,8 +27,6 @@ from backpack.extensions import (
     SqrtGGNExact,
     SqrtGGNMC,
 )
-from backpack.rules import find_rule
-from backpack.rules.base import ModuleRule
 from backpack.utils.examples import autograd_diag_ggn_exact
 
 DT = torch.float64
@@ -61,19 +59,6 @@ def check_ggn_family(model, x, lossfunc, y, reference):
         close(torch.einsum("vnp,vnq->pq", flat, flat), block, name)
         mat = torch.randn(2, *p.shape, dtype=DT)
         close(p.ggnmp(mat), (block @ mat.flatten(1).T).T.reshape(mat.shape), name)
-
-
-def conv_has_kronecker_factors() -> bool:
-    rule = find_rule(nn.Conv2d(1, 1, 1))
-    return rule is not None and type(rule).kron_factors is not ModuleRule.kron_factors
-
-
-CONV_KRON_MISSING = pytest.mark.xfail(
-    not conv_has_kronecker_factors(),
-    reason="backpack/rules/conv.py has no kron_factors yet: KFAC/KFLR raise for Conv2d",
-    raises=NotImplementedError,
-    strict=True,
-)
 
 
 # --- (a) seed 004's MyFirstResNet: torch.add residual and functional relu in forward ----------
@@ -132,7 +117,6 @@ def test_my_first_resnet_mc_shapes():
         close(p.sqrt_ggn_mc.square().sum(0), p.diag_ggn_mc_batch)
 
 
-@CONV_KRON_MISSING
 def test_my_first_resnet_kflr_kfac():
     model, x, lossfunc, y = resnet_problem()
     reference = resnet_reference()

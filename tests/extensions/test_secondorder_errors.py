@@ -296,13 +296,6 @@ def test_kfra_on_cnn_raises():
     recovers(mlp(), x2, y2, ext=DiagGGNExact())
 
 
-@pytest.mark.xfail(
-    reason="backpack/kfra.py checks feature dimensions while walking the chain, after forming "
-    "and backpropagating dense curvature matrices for the later layers (about a minute on the "
-    "real 3c3d), and on a CNN it currently stops at 'KFRA does not support module Conv2d' "
-    "before reaching the dimension check",
-    strict=True,
-)
 def test_kfra_on_cnn_refuses_up_front_because_of_dimension(monkeypatch):
     calls = []
     propagate = secondorder_module.propagate

@@ -77,7 +77,13 @@ def convtranspose1d():
 def convtranspose2d():
     return nn.Sequential(
         nn.ConvTranspose2d(
-            3, 2, (3, 2), stride=(2, 3), padding=(1, 0), output_padding=(1, 2), dilation=(1, 2),
+            3,
+            2,
+            (3, 2),
+            stride=(2, 3),
+            padding=(1, 0),
+            output_padding=(1, 2),
+            dilation=(1, 2),
             bias=False,
         ),
         nn.ReLU(),
@@ -112,41 +118,70 @@ class ConvResidual(nn.Module):
 
 PROBLEMS = [
     Problem(
-        "conv1d-strided-dilated-groups", conv1d_strided, randn(4, 2, 9), tags={"first", "second", "hessian", "kron"}
-    ),
-    Problem(
-        "conv1d-same-reflect-nobias", conv1d_same_reflect, randn(3, 2, 7),
-        lambda: nn.MSELoss(reduction="sum"), tags={"first", "second", "hessian", "kron"},
-    ),
-    Problem(
-        "conv2d-same-even-circular", conv2d_same_circular, randn(4, 2, 5, 6),
-        lambda: nn.CrossEntropyLoss(reduction="sum"), tags={"first", "second", "hessian", "kron"},
-    ),
-    Problem(
-        "conv2d-groups-replicate-valid", conv2d_groups_replicate, randn(3, 4, 6, 5),
-        lambda: nn.MSELoss(), tags={"first", "second", "hessian", "kron"},
-    ),
-    Problem(
-        "conv2d-small-output", conv2d_small_output, randn(4, 3, 5, 5), tags={"first", "second", "hessian", "kron"}
-    ),
-    Problem(
-        "conv3d-dilated-groups", conv3d_dilated_groups, randn(3, 2, 4, 6, 4),
+        "conv1d-strided-dilated-groups",
+        conv1d_strided,
+        randn(4, 2, 9),
         tags={"first", "second", "hessian", "kron"},
     ),
     Problem(
-        "conv3d-same-circular-nobias", conv3d_same_circular, randn(3, 2, 3, 3, 3),
-        lambda: nn.MSELoss(), tags={"first", "second", "hessian", "kron"},
+        "conv1d-same-reflect-nobias",
+        conv1d_same_reflect,
+        randn(3, 2, 7),
+        lambda: nn.MSELoss(reduction="sum"),
+        tags={"first", "second", "hessian", "kron"},
     ),
     Problem(
-        "convtranspose1d-outpad-groups", convtranspose1d, randn(4, 2, 5),
-        lambda: nn.MSELoss(reduction="sum"), tags={"first", "second", "hessian"},
+        "conv2d-same-even-circular",
+        conv2d_same_circular,
+        randn(4, 2, 5, 6),
+        lambda: nn.CrossEntropyLoss(reduction="sum"),
+        tags={"first", "second", "hessian", "kron"},
     ),
     Problem(
-        "convtranspose2d-outpad-dilated-nobias", convtranspose2d, randn(3, 3, 4, 3),
-        lambda: nn.CrossEntropyLoss(reduction="sum"), tags={"first", "second", "hessian", "kron"},
+        "conv2d-groups-replicate-valid",
+        conv2d_groups_replicate,
+        randn(3, 4, 6, 5),
+        lambda: nn.MSELoss(),
+        tags={"first", "second", "hessian", "kron"},
     ),
     Problem(
-        "convtranspose3d-outpad", convtranspose3d, randn(3, 2, 2, 2, 2), tags={"first", "second", "hessian", "kron"}
+        "conv2d-small-output",
+        conv2d_small_output,
+        randn(4, 3, 5, 5),
+        tags={"first", "second", "hessian", "kron"},
+    ),
+    Problem(
+        "conv3d-dilated-groups",
+        conv3d_dilated_groups,
+        randn(3, 2, 4, 6, 4),
+        tags={"first", "second", "hessian", "kron"},
+    ),
+    Problem(
+        "conv3d-same-circular-nobias",
+        conv3d_same_circular,
+        randn(3, 2, 3, 3, 3),
+        lambda: nn.MSELoss(),
+        tags={"first", "second", "hessian", "kron"},
+    ),
+    Problem(
+        "convtranspose1d-outpad-groups",
+        convtranspose1d,
+        randn(4, 2, 5),
+        lambda: nn.MSELoss(reduction="sum"),
+        tags={"first", "second", "hessian"},
+    ),
+    Problem(
+        "convtranspose2d-outpad-dilated-nobias",
+        convtranspose2d,
+        randn(3, 3, 4, 3),
+        lambda: nn.CrossEntropyLoss(reduction="sum"),
+        tags={"first", "second", "hessian", "kron"},
+    ),
+    Problem(
+        "convtranspose3d-outpad",
+        convtranspose3d,
+        randn(3, 2, 2, 2, 2),
+        tags={"first", "second", "hessian", "kron"},
     ),
     Problem("conv-custom-residual", ConvResidual, randn(4, 2, 6, 7), tags={"first", "custom"}),
 ]

@@ -83,7 +83,10 @@ def avgpool3d():
     body = [
         nn.Conv3d(1, 2, 2),
         nn.AvgPool3d(
-            (2, 3, 2), stride=(1, 2, 2), padding=(1, 1, 0), ceil_mode=True,
+            (2, 3, 2),
+            stride=(1, 2, 2),
+            padding=(1, 1, 0),
+            ceil_mode=True,
             count_include_pad=False,
         ),
     ]
@@ -137,7 +140,11 @@ def zeropad2d():
 
 def dropout_eval():
     return nn.Sequential(
-        nn.Linear(5, 4), nn.Dropout(0.5), nn.ReLU(), nn.Linear(4, 4), nn.Dropout(0.3),
+        nn.Linear(5, 4),
+        nn.Dropout(0.5),
+        nn.ReLU(),
+        nn.Linear(4, 4),
+        nn.Dropout(0.3),
         nn.Linear(4, 3),
     ).eval()
 
@@ -149,37 +156,62 @@ def dropout_p0_train():
 # --- activations ----------------------------------------------------------------------------
 def act_leaky_logsigmoid_elu():
     return nn.Sequential(
-        nn.Linear(4, 5), nn.LeakyReLU(negative_slope=0.2), nn.Linear(5, 4), nn.LogSigmoid(),
-        nn.Linear(4, 4), nn.ELU(alpha=0.7), nn.Linear(4, 3),
+        nn.Linear(4, 5),
+        nn.LeakyReLU(negative_slope=0.2),
+        nn.Linear(5, 4),
+        nn.LogSigmoid(),
+        nn.Linear(4, 4),
+        nn.ELU(alpha=0.7),
+        nn.Linear(4, 3),
     )
 
 
 def act_selu_identity_softplus():
     return nn.Sequential(
-        nn.Linear(4, 5), nn.SELU(), nn.Identity(), nn.Linear(5, 4),
-        nn.Softplus(beta=2, threshold=1.5), nn.Linear(4, 3),
+        nn.Linear(4, 5),
+        nn.SELU(),
+        nn.Identity(),
+        nn.Linear(5, 4),
+        nn.Softplus(beta=2, threshold=1.5),
+        nn.Linear(4, 3),
     )
 
 
 def act_silu_gelu():
     return nn.Sequential(
-        nn.Linear(4, 4), nn.SiLU(), nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4),
-        nn.GELU(approximate="tanh"), nn.Linear(4, 3),
+        nn.Linear(4, 4),
+        nn.SiLU(),
+        nn.Linear(4, 4),
+        nn.GELU(),
+        nn.Linear(4, 4),
+        nn.GELU(approximate="tanh"),
+        nn.Linear(4, 3),
     )
 
 
 def act_celu_hardtanh_relu6():
     # inputs scaled by 8 so that ReLU6 saturates; Hardtanh(-0.5, 0.8) clips on both sides
     return nn.Sequential(
-        nn.Linear(4, 5), nn.ReLU6(), nn.Linear(5, 4), nn.CELU(alpha=0.5), nn.Linear(4, 4),
-        nn.Hardtanh(min_val=-0.5, max_val=0.8), nn.Linear(4, 3),
+        nn.Linear(4, 5),
+        nn.ReLU6(),
+        nn.Linear(5, 4),
+        nn.CELU(alpha=0.5),
+        nn.Linear(4, 4),
+        nn.Hardtanh(min_val=-0.5, max_val=0.8),
+        nn.Linear(4, 3),
     )
 
 
 def act_relu_sigmoid_tanh_flatten():
     return nn.Sequential(
-        nn.Flatten(start_dim=1), nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 4), nn.Sigmoid(),
-        nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3),
+        nn.Flatten(start_dim=1),
+        nn.Linear(6, 5),
+        nn.ReLU(),
+        nn.Linear(5, 4),
+        nn.Sigmoid(),
+        nn.Linear(4, 4),
+        nn.Tanh(),
+        nn.Linear(4, 3),
     )
 
 
@@ -191,7 +223,10 @@ def bce_mlp():
 def ce_spatial():
     """Output `[N, C=4, L=4]`: one cross-entropy term per position."""
     return nn.Sequential(
-        nn.Conv1d(2, 2, 3, padding=1), nn.ReLU(), nn.MaxPool1d(2, stride=1), nn.Conv1d(2, 4, 2),
+        nn.Conv1d(2, 2, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool1d(2, stride=1),
+        nn.Conv1d(2, 4, 2),
     )
 
 
@@ -239,28 +274,42 @@ PROBLEMS = [
     Problem("dropout-eval", dropout_eval, randn(5, 5), ce("sum"), tags=ALL),
     Problem("dropout-p0-train", dropout_p0_train, randn(5, 5), mse("mean"), tags=ALL),
     Problem(
-        "act-leakyrelu-logsigmoid-elu", act_leaky_logsigmoid_elu, scaled_randn(2.0, 5, 4),
-        ce("mean"), tags=ALL,
-    ),
-    Problem(
-        "act-selu-identity-softplus", act_selu_identity_softplus, scaled_randn(2.0, 5, 4),
-        mse("sum"), tags=ALL,
-    ),
-    Problem("act-silu-gelu", act_silu_gelu, scaled_randn(2.0, 5, 4), ce("sum"), tags=ALL),
-    Problem(
-        "act-celu-hardtanh-relu6", act_celu_hardtanh_relu6, scaled_randn(8.0, 5, 4), mse("mean"),
+        "act-leakyrelu-logsigmoid-elu",
+        act_leaky_logsigmoid_elu,
+        scaled_randn(2.0, 5, 4),
+        ce("mean"),
         tags=ALL,
     ),
     Problem(
-        "act-relu-sigmoid-tanh-flatten", act_relu_sigmoid_tanh_flatten, randn(5, 2, 3),
-        ce("mean"), tags=ALL,
+        "act-selu-identity-softplus",
+        act_selu_identity_softplus,
+        scaled_randn(2.0, 5, 4),
+        mse("sum"),
+        tags=ALL,
+    ),
+    Problem("act-silu-gelu", act_silu_gelu, scaled_randn(2.0, 5, 4), ce("sum"), tags=ALL),
+    Problem(
+        "act-celu-hardtanh-relu6",
+        act_celu_hardtanh_relu6,
+        scaled_randn(8.0, 5, 4),
+        mse("mean"),
+        tags=ALL,
     ),
     Problem(
-        "loss-bcewithlogits", bce_mlp, randn(5, 4), lambda: nn.BCEWithLogitsLoss(), tags=ALL
+        "act-relu-sigmoid-tanh-flatten",
+        act_relu_sigmoid_tanh_flatten,
+        randn(5, 2, 3),
+        ce("mean"),
+        tags=ALL,
     ),
+    Problem("loss-bcewithlogits", bce_mlp, randn(5, 4), lambda: nn.BCEWithLogitsLoss(), tags=ALL),
     conv_problem("loss-ce-spatial", ce_spatial, randn(3, 2, 6), ce("mean")),
     Problem(
-        "loss-ce-weight-ignore-smoothing", ce_weighted_mlp, randn(6, 4), ce_weighted_loss,
-        ce_weighted_target, tags=ALL,
+        "loss-ce-weight-ignore-smoothing",
+        ce_weighted_mlp,
+        randn(6, 4),
+        ce_weighted_loss,
+        ce_weighted_target,
+        tags=ALL,
     ),
 ]
