@@ -121,6 +121,46 @@ class _Quantities:
         return {k: (sgs[k] / self.n - (gsum[k] / self.n).square()).clamp_min(0) for k in sgs}
 
 
+def _probe_index(param: Tensor) -> Tensor:
+    """A few fixed flat positions of a parameter (no random numbers: the user's RNG is theirs)."""
+    numel = param.numel()
+    return torch.linspace(0, numel - 1, min(numel, 8), device=param.device).long()
+
+
+class _Coverage:
+    """Checks that extended module calls account for all of a parameter's gradient.
+
+    The probes sum this pass's module contributions at a few entries; a hook on the parameter
+    compares them with the total gradient autograd accumulates. A difference means the parameter
+    is also used outside extended modules (a regulariser, a functional call).
+    """
+
+    def __init__(self, param: Tensor, name: str, module: nn.Module) -> None:
+        self.index = _probe_index(param)
+        self.total: Tensor | None = None
+        self.label = f"{name} of {module.__class__.__name__}"
+        self.handle: Any = None
+
+    def add(self, part: Tensor) -> None:
+        self.total = part if self.total is None else self.total + part
+
+    def check(self, grad: Tensor, fields: list[str]) -> None:
+        if self.total is None or grad.is_sparse or not grad.dtype.is_floating_point:
+            return
+        actual = grad.detach().flatten()[self.index].to(self.total.dtype)
+        tol = {torch.float64: 1e-7, torch.float32: 1e-4}.get(self.total.dtype, 5e-2)
+        scale = actual.abs().max().item() + self.total.abs().max().item()
+        if (actual - self.total).abs().max().item() > tol * scale + 1e-30:
+            warnings.warn(
+                f"Parameter {self.label} also receives gradient from operations outside extended "
+                "modules (e.g. a regularisation term, or a functional use such as "
+                "F.linear(x, weight)). backpack's quantities "
+                f"({', '.join(fields)}) only cover its uses inside extended modules.",
+                UserWarning,
+                stacklevel=2,
+            )
+
+
 class _Accumulator:
     """Summed per-sample gradients of a parameter used several times in one graph."""
 
@@ -218,6 +258,8 @@ class Engine:
         ]
         #: whether an extended loss started the second-order factors in this pass
         self.loss_seen = False
+        self._coverage: dict[int, _Coverage] = {}
+        self._covered: set[tuple[int, int]] = set()
         self._second_acc: dict[Tensor, _SecondOrderAccumulator] = {}
         #: set while the engine itself runs autograd (factor propagation); hooks then do nothing
         self.propagating = False
@@ -244,6 +286,11 @@ class Engine:
         self._deferred_hooks = {}
         self._last_record = {}
         self.loss_seen = False
+        for coverage in self._coverage.values():
+            if coverage.handle is not None:
+                coverage.handle.remove()
+        self._coverage = {}
+        self._covered = set()
 
     def _finish_pass(self) -> None:
         try:
@@ -360,6 +407,10 @@ class Engine:
                     values = quantities.get(ext.quantity, ext.get_subsampling())
                     for name in direct:
                         setattr(params[name], ext.savefield, values[name])
+                psg = quantities._psg
+                for name in direct:
+                    part = None if psg is None else psg[name].sum(0)
+                    self._cover(record, grads, rule, name, params[name], part)
         for name in shared:
             p = params[name]
             acc = self._accumulators.get(p)
@@ -367,7 +418,9 @@ class Engine:
                 uses = sum(len(live_records(m)) for m in param_owners(p))
                 acc = self._accumulators[p] = _Accumulator(p, uses, batch_size)
             with torch.no_grad():
-                acc.add(rule.per_sample_grads(record, grads, [name])[name])
+                psg = rule.per_sample_grads(record, grads, [name])[name]
+                acc.add(psg)
+                self._cover(record, grads, rule, name, p, psg.sum(0))
             if acc.seen >= acc.expected:
                 self._finalize_accumulator(acc)
         return any(p in self._accumulators for p in params.values())
@@ -393,6 +446,12 @@ class Engine:
         if rule.mixes_samples(record):
             raise NotImplementedError(f"{names} are {_mixing_message(module)}")
         record.check_unmodified(exts[0].__class__.__name__)
+        filled = tuple(
+            torch.zeros_like(o) if g is None else g for g, o in zip(grads, record.outputs)
+        )
+        with torch.no_grad():
+            for name, p in params.items():
+                self._cover(record, filled, rule, name, p, None)
         direct, shared = [], []
         for name, p in params.items():
             uses = sum(len(live_records(m)) for m in param_owners(p))
@@ -449,6 +508,35 @@ class Engine:
         with torch.no_grad():
             for ext, value in acc.values().items():
                 setattr(acc.param, ext.savefield, value)
+
+    def _cover(
+        self,
+        record: Record,
+        grads: tuple,
+        rule: ModuleRule,
+        name: str,
+        param: Tensor,
+        grad_sum: Tensor | None,
+    ) -> None:
+        """Add this call's gradient at the probe entries of `param` (once per call)."""
+        key = (id(record), id(param))
+        if key in self._covered:
+            return
+        self._covered.add(key)
+        coverage = self._coverage.get(id(param))
+        if coverage is None:
+            coverage = self._coverage[id(param)] = _Coverage(param, name, record.module)
+            fields = [e.savefield for e in self.extensions]
+
+            def hook(grad: Tensor, coverage: _Coverage = coverage) -> None:
+                coverage.check(grad, fields)
+
+            coverage.handle = param.register_hook(hook)
+        if grad_sum is not None:
+            part = grad_sum.flatten()[coverage.index]
+        else:
+            part = rule.grad_sum_entries(record, grads, name, coverage.index)
+        coverage.add(part)
 
     def _finalize_accumulator(self, acc: _Accumulator) -> None:
         self._accumulators.pop(acc.param, None)

@@ -72,6 +72,15 @@ class ModuleRule:
         """Fused sum over samples of per-sample gradients (this call's gradient), or None."""
         return None
 
+    def grad_sum_entries(
+        self, record: Record, grad_outputs: GradOutputs, name: str, index: Tensor
+    ) -> Tensor:
+        """A few entries (flat `index`) of this call's gradient w.r.t. parameter `name`."""
+        full = self.grad_sum(record, grad_outputs, [name])
+        if full is None:
+            full = {name: self.per_sample_grads(record, grad_outputs, [name])[name].sum(0)}
+        return full[name].flatten()[index]
+
     # --- second order ---------------------------------------------------------------------
     def sqrt_factor(
         self,

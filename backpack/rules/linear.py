@@ -115,6 +115,13 @@ class LinearRule(ModuleRule):
             result["bias"] = g.sum((0, 1))
         return result
 
+    def grad_sum_entries(self, record, grad_outputs, name, index):  # noqa: D102
+        x, g = _flat(record, grad_outputs)
+        if name == "bias":
+            return g.sum((0, 1))[index]
+        rows, cols = index // x.shape[2], index % x.shape[2]
+        return (g[..., rows] * x[..., cols]).sum((0, 1))
+
     # --- second order ---------------------------------------------------------------------
     @staticmethod
     def _flat_factor(record: Record, factors) -> Tensor:
