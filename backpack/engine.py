@@ -74,7 +74,7 @@ class _Quantities:
         return self._psg
 
     def _fused(self, which: str) -> dict[str, Tensor] | None:
-        if self._psg is not None or self.rule is None:
+        if self.rule is None:
             return None
         return getattr(self.rule, which)(self.record, self.grads, self.names)
 
