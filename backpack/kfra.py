@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
 
-from backpack.recording import GRAPH_METADATA_KEY, Record
+from backpack.recording import Record, records_at
 from backpack.rules import find_rule
 from backpack.rules.base import ModuleRule
 
@@ -37,7 +37,7 @@ def _nearest_records(edge: GradientEdge) -> list[tuple[Record, int, GradientEdge
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        tags = [t for t in node.metadata.get(GRAPH_METADATA_KEY, ()) if not t[0].freed]
+        tags = records_at(node)
         if tags:
             found.extend((r, i, GradientEdge(node, nr)) for r, i, nr in tags)
             continue

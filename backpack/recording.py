@@ -14,20 +14,23 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import get_gradient_edge
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from backpack.context import CTX
 
-#: module -> weak set of its live records (uses in graphs that still exist)
-_LIVE_RECORDS: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[Record]] = (
-    weakref.WeakKeyDictionary()
-)
+#: id(module) -> weak references to its records (uses in graphs that may still exist); entries
+#: die with their module
+_LIVE_RECORDS: dict[int, list[weakref.ref[Record]]] = {}
 #: id(parameter) -> weak set of the modules that use it directly (tied weights have several).
 #: Keyed by id because tensors compare elementwise; entries die with their parameter.
 _PARAM_OWNERS: dict[int, weakref.WeakSet[nn.Module]] = {}
 
-#: key under which records are attached to the autograd node that produced a module output
-GRAPH_METADATA_KEY = "backpack_records"
+#: sequence number of the autograd node that produced a module output -> weak references to
+#: (record, index of the output, output_nr). Sequence numbers grow monotonically per thread, so
+#: they identify nodes without keeping them (or their graphs) alive; the node's name guards
+#: against the rare clash between threads.
+_NODE_RECORDS: dict[int, list[tuple[weakref.ref[Record], int, int, str]]] = {}
+_NODE_RECORDS_PRUNE_AT = [1024]
 
 
 class Record:
@@ -45,7 +48,7 @@ class Record:
         "disabled",
         "freed",
         "extra",
-        "input_edges",
+        "_input_edges",
         "inplace",
         "__weakref__",
     )
@@ -86,6 +89,19 @@ class Record:
         """The call's output (a tensor, or the module's tuple structure of tensors)."""
         return self.output_structure
 
+    @property
+    def input_edges(self) -> tuple[Any, ...]:
+        """Autograd edges of the tensor inputs (None where no gradient flows or in place)."""
+        if any(isinstance(e, Tensor) for e in self._input_edges):
+            self._input_edges = tuple(
+                get_gradient_edge(e) if isinstance(e, Tensor) else e for e in self._input_edges
+            )
+        return self._input_edges
+
+    @input_edges.setter
+    def input_edges(self, edges: tuple[Any, ...]) -> None:
+        self._input_edges = edges
+
     def free(self) -> None:
         """Drop the recorded tensors (memory is returned as soon as autograd is done too)."""
         self.args = ()
@@ -93,7 +109,7 @@ class Record:
         self.outputs = ()
         self.output_structure = None
         self.extra = {}
-        self.input_edges = ()
+        self._input_edges = ()
         self.freed = True
 
     def check_unmodified(self, extension_name: str) -> None:
@@ -108,12 +124,25 @@ class Record:
                 )
 
 
+def _remember(module: nn.Module, record: Record) -> None:
+    key = id(module)
+    refs = _LIVE_RECORDS.get(key)
+    if refs is None:
+        refs = _LIVE_RECORDS[key] = []
+        weakref.finalize(module, _LIVE_RECORDS.pop, key, None)
+    elif len(refs) >= 4:
+        refs[:] = [r for r in refs if r() is not None]
+    refs.append(weakref.ref(record))
+
+
+def _records(module: nn.Module) -> list[Record]:
+    alive = [r() for r in _LIVE_RECORDS.get(id(module), ())]
+    return [r for r in alive if r is not None]
+
+
 def live_records(module: nn.Module) -> list[Record]:
     """The records of `module` whose graphs are alive and whose tensors were not freed."""
-    records = _LIVE_RECORDS.get(module)
-    if records is None:
-        return []
-    return [r for r in records if not r.freed]
+    return [r for r in _records(module) if not r.freed]
 
 
 def param_owners(param: Tensor) -> list[nn.Module]:
@@ -122,13 +151,21 @@ def param_owners(param: Tensor) -> list[nn.Module]:
     return list(owners) if owners is not None else []
 
 
-def _register_owner(param: Tensor, module: nn.Module) -> None:
-    key = id(param)
-    owners = _PARAM_OWNERS.get(key)
-    if owners is None:
-        owners = _PARAM_OWNERS[key] = weakref.WeakSet()
-        weakref.finalize(param, _PARAM_OWNERS.pop, key, None)
-    owners.add(module)
+def _register_owners(module: nn.Module, params: dict[str, Any]) -> None:
+    """Remember that `module` uses its parameters (skipped when nothing changed since last time)."""
+    ids = tuple(id(p) for p in params.values() if p is not None)
+    if module.__dict__.get("_backpack_owner_ids") == ids:
+        return
+    for param in params.values():
+        if param is None:
+            continue
+        key = id(param)
+        owners = _PARAM_OWNERS.get(key)
+        if owners is None:
+            owners = _PARAM_OWNERS[key] = weakref.WeakSet()
+            weakref.finalize(param, _PARAM_OWNERS.pop, key, None)
+        owners.add(module)
+    module.__dict__["_backpack_owner_ids"] = ids
 
 
 def _detach(obj: Any) -> Any:
@@ -155,35 +192,68 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
     """Record the call for the next backward (only when it can be differentiated)."""
     if not torch.is_grad_enabled() or CTX.internal_depth:
         return
-    out_tensors = [t for t in tensors_in(output) if t.requires_grad]
-    if not out_tensors:
-        return
+    if isinstance(output, Tensor):
+        if not output.requires_grad:
+            return
+        out_tensors = [output]
+        out_requires_grad: tuple[bool, ...] = (True,)
+    else:
+        all_out = list(tensors_in(output))
+        out_tensors = [t for t in all_out if t.requires_grad]
+        if not out_tensors:
+            return
+        out_requires_grad = tuple(t.requires_grad for t in all_out)
     disabled = CTX.recording_disabled
     if disabled:
         record = Record(module, (), {}, (), None, disabled=True)
     else:
         record = Record(
             module,
-            _detach(args),
-            {k: _detach(v) for k, v in kwargs.items()},
+            tuple(a.detach() if isinstance(a, Tensor) else _detach(a) for a in args),
+            {k: _detach(v) for k, v in kwargs.items()} if kwargs else {},
             tuple(t.detach() for t in out_tensors),
-            _detach(output),
+            output.detach() if isinstance(output, Tensor) else _detach(output),
         )
-        record.input_edges = tuple(_input_edge(a, out_tensors) for a in args)
-        record.inplace = any(a is o for a in args for o in out_tensors)
-        for param in module.parameters(recurse=False):
-            _register_owner(param, module)
-    record.out_requires_grad = tuple(t.requires_grad for t in tensors_in(output))
-    _LIVE_RECORDS.setdefault(module, weakref.WeakSet()).add(record)
+        inplace = False
+        edges = []
+        for a in args:
+            if not isinstance(a, Tensor) or not a.requires_grad:
+                edges.append(None)
+            elif any(a is o for o in out_tensors):
+                inplace = True
+                edges.append(None)
+            else:
+                # snapshot (node, output index): later in-place ops on `a` cannot move it
+                node = a.grad_fn
+                # a leaf's edge (its grad accumulator) is built on first use: it cannot move
+                edges.append(a if node is None else GradientEdge(node, a.output_nr))
+        record.input_edges = tuple(edges)
+        record.inplace = inplace
+        params = module._parameters
+        if params:
+            _register_owners(module, params)
+    record.out_requires_grad = out_requires_grad
+    _remember(module, record)
 
     # The hook closure (stored on the graph) owns the record: it dies with the graph.
     if len(out_tensors) == 1:
         (tensor,) = out_tensors
+        node = tensor.grad_fn
+        if node is None:  # a leaf (e.g. Identity on an input that requires grad)
 
-        def _hook(grad: Tensor, record: Record = record) -> None:
-            _dispatch(record, (grad,))
+            def _leaf_hook(grad: Tensor, record: Record = record) -> None:
+                _dispatch(record, (grad,))
 
-        tensor.register_hook(_hook)
+            tensor.register_hook(_leaf_hook)
+        else:
+            # A pre-hook on the producing node sees the gradient of the value before any later
+            # in-place op changed it (that op gets a node of its own).
+            output_nr = tensor.output_nr
+
+            def _node_hook(grads: tuple, record: Record = record, nr: int = output_nr) -> None:
+                _dispatch(record, (grads[nr],))
+
+            node.register_prehook(_node_hook)
     else:
 
         def _multi_hook(grads: Any, record: Record = record) -> None:
@@ -191,19 +261,34 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
 
         torch.autograd.graph.register_multi_grad_hook(out_tensors, _multi_hook)
     if not disabled:
+        ref = weakref.ref(record)
         for nr, tensor in enumerate(out_tensors):
             node = tensor.grad_fn
             if node is not None:
-                entry = (record, nr, tensor.output_nr)
-                node.metadata.setdefault(GRAPH_METADATA_KEY, []).append(entry)
+                entry = (ref, nr, tensor.output_nr, node.name())
+                _NODE_RECORDS.setdefault(node._sequence_nr(), []).append(entry)
+        if len(_NODE_RECORDS) > _NODE_RECORDS_PRUNE_AT[0]:
+            _prune_node_records()
 
 
-def _input_edge(arg: Any, out_tensors: list[Tensor]) -> Any:
-    if not isinstance(arg, Tensor) or not arg.requires_grad:
-        return None
-    if any(arg is out for out in out_tensors):
-        return None
-    return get_gradient_edge(arg)
+def _prune_node_records() -> None:
+    for key in [k for k, v in _NODE_RECORDS.items() if all(e[0]() is None for e in v)]:
+        del _NODE_RECORDS[key]
+    _NODE_RECORDS_PRUNE_AT[0] = max(1024, 2 * len(_NODE_RECORDS))
+
+
+def records_at(node: Any) -> list[tuple[Record, int, int]]:
+    """Live records whose module output the autograd `node` produced: (record, index, nr)."""
+    entries = _NODE_RECORDS.get(node._sequence_nr())
+    if not entries:
+        return []
+    name = node.name()
+    found = []
+    for ref, index, output_nr, node_name in entries:
+        record = ref()
+        if record is not None and not record.freed and node_name == name:
+            found.append((record, index, output_nr))
+    return found
 
 
 def _dispatch(record: Record, grads: tuple[Tensor | None, ...]) -> None:
@@ -251,7 +336,7 @@ def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) 
 
 def memory_cleanup(module: nn.Module) -> None:
     """Free what was recorded on `module` for the next backward (safe if nothing is recorded)."""
-    for record in list(_LIVE_RECORDS.get(module, ())):
+    for record in _records(module):
         record.free()
     for attr in ("input0", "output"):
         if attr in module.__dict__:

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 
-from backpack.recording import GRAPH_METADATA_KEY, Record
+from backpack.recording import Record, records_at
 from backpack.rules import find_rule
 from backpack.rules.activations import find_activation_rule, is_curvature_free
 from backpack.rules.losses import find_loss_rule
@@ -105,9 +105,8 @@ def graph_records(edge: Any) -> Iterator[tuple[Record, int, GradientEdge]]:
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        for record, index, output_nr in node.metadata.get(GRAPH_METADATA_KEY, ()):
-            if not record.freed:
-                yield record, index, GradientEdge(node, output_nr)
+        for record, index, output_nr in records_at(node):
+            yield record, index, GradientEdge(node, output_nr)
         stack.extend(next_node for next_node, _ in node.next_functions)
 
 
@@ -180,7 +179,7 @@ def check_module_graph(loss_record: Record, exts: list[SecondOrderBackpropExtens
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        records = [r for r, _, _ in node.metadata.get(GRAPH_METADATA_KEY, ()) if not r.freed]
+        records = [r for r, _, _ in records_at(node)]
         if records:
             for record in records:
                 module = record.module
