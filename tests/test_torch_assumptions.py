@@ -12,7 +12,7 @@ def test_node_prehook_sees_gradient_before_later_inplace_op():
     y.grad_fn.register_prehook(lambda grads: seen.append(grads[0].clone()))
     pre = y.detach().clone()
     y.relu_()
-    y.mul_(3).sum().backward()
+    (y * 3).sum().backward()
     torch.testing.assert_close(seen[0], 3.0 * (pre > 0).double())
 
 
