@@ -488,7 +488,8 @@ class Engine:
                     return zeros
                 n = rule.batch_size(record)
                 return {k: v.expand(n, *v.shape).clone() for k, v in zeros.items()}
-            return secondorder.reduce_entries(record, entries, names, ext.output == "batch_diag")
+            per_sample = ext.output == "batch_diag"
+            return secondorder.reduce_entries(record, entries, names, per_sample, rule)
         if ext.output == "sqrt":
             return rule.sqrt_factor(record, entries[0].factors, names, ext.get_subsampling())
         if ext.output == "kron":

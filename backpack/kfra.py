@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
 
-from backpack.recording import Record, records_at
+from backpack.recording import Record, live_records, param_owners, records_at
 from backpack.rules import find_rule
 from backpack.rules.base import ModuleRule
 
@@ -107,7 +107,13 @@ def _plan(loss_record: Record) -> list[tuple]:
             _check_dim(out_shape, f"output of {name}")
             steps.append(("sandwich", edge, out_edge, shape))
         shape = out_shape
-        if any(p.requires_grad for p in record.module.parameters(recurse=False)):
+        trainable = [p for p in record.module.parameters(recurse=False) if p.requires_grad]
+        if any(sum(len(live_records(m)) for m in param_owners(p)) > 1 for p in trainable):
+            raise NotImplementedError(
+                f"KFRA does not support parameters used several times in one forward "
+                f"({name}); use KFLR or KFAC."
+            )
+        if trainable:
             rule = find_rule(record.module)
             if rule is None or type(rule).kron_factors is ModuleRule.kron_factors:
                 raise NotImplementedError(

@@ -24,8 +24,8 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 
 from backpack.recording import Record, records_at
-from backpack.rules import find_rule
 from backpack.rules.activations import find_activation_rule, is_curvature_free
+from backpack.rules.base import ModuleRule
 from backpack.rules.losses import find_loss_rule
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -316,20 +316,14 @@ def entries_for(record: Record, ext: SecondOrderBackpropExtension) -> list[Entry
     return entries
 
 
-def sqrt_blocks(record: Record, entry: Entry, names: list[str], subsampling=None) -> dict:
-    """Jᵀ f for every column and sample of `entry`: `{name: [V, N, *param.shape]}`."""
-    rule = find_rule(record.module)
-    return rule.sqrt_factor(record, entry.factors, names, subsampling)
-
-
 def reduce_entries(
     record: Record,
     entries: list[Entry],
     names: list[str],
     per_sample: bool,
+    rule: ModuleRule,
 ) -> dict[str, Tensor]:
     """Σ_entries Σ_v coef (Jᵀ f)², summed over samples unless `per_sample`."""
-    rule = find_rule(record.module)
     total: dict[str, Tensor] = {}
     for entry in entries:
         part = rule.diag_from_factor(record, entry.factors, names, entry.coef, per_sample)

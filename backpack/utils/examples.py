@@ -144,7 +144,7 @@ def load_one_batch_mnist(
 
     Real MNIST (training split) is used when torchvision is installed and the data already
     lies in ``$BACKPACK_MNIST_ROOT`` (default ``~/.cache/backpack/mnist``); otherwise the
-    embedded digits are used (see :func:`load_digits_dataset`).
+    embedded digits are used (see `load_digits_dataset`).
 
     Args:
         batch_size: Number of samples.

@@ -177,3 +177,42 @@ def test_kfra_matches_recursion_and_single_layer_kflr():
     close(model[0].weight.kfra[0], g0)
     close(model[0].weight.kfra[1], x.T @ x / 6)
     close(model[0].bias.kfra[0], g0)
+
+
+class _NoRule(torch.nn.Module):
+    """A parametrized module without a dedicated rule: handled by the torch.func fallback."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, x):
+        return torch.sin(x) @ self.w.T
+
+
+def test_ggn_family_on_module_without_rule():
+    import warnings
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_NoRule(), torch.nn.Tanh(), torch.nn.Linear(3, 2)).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    y = torch.randint(0, 2, (5,))
+    lossfunc = torch.nn.CrossEntropyLoss()
+    ref = Curvature(model, x, lossfunc, y, hessian=False)
+    extend(model)
+    extend(lossfunc)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with backpack(DiagGGNExact(), BatchDiagGGNExact(), GGNMP()):
+            lossfunc(model(x), y).backward()
+    for name, p in model.named_parameters():
+        close(p.diag_ggn_exact, ref.diag(ref.ggn, name), name)
+        close(p.diag_ggn_exact_batch, ref.diag(ref.ggn_per_sample, name), name)
+
+
+def test_kfra_refuses_shared_parameters():
+    lin = torch.nn.Linear(3, 3)
+    model = extend(torch.nn.Sequential(lin, torch.nn.Tanh(), lin, torch.nn.Linear(3, 2)))
+    lossfunc = extend(torch.nn.CrossEntropyLoss())
+    with pytest.raises(NotImplementedError, match="several times"), backpack(KFRA()):
+        lossfunc(model(torch.randn(4, 3)), torch.randint(0, 2, (4,))).backward()
