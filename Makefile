@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-slow lint bench clean
+.PHONY: install demo test test-slow lint bench clean docs
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(BIN)/python -m backpack
 
 test: $(STAMP)
-	$(BIN)/python -m ruff check backpack tests
+	$(BIN)/python -m ruff check .
 	$(BIN)/python -m pytest -q -n 2 $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
@@ -30,3 +30,21 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+# --- bench (benchmarks/, see benchmarks/README.md) -------------------------------------------
+BENCH_ARGS ?=
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.run $(BENCH_ARGS)
+# --- end bench --------------------------------------------------------------------------------
+
+# --- docs (docs/, mkdocs.yml, requirements-docs.txt) ----------------------------------------
+DOCS_STAMP := $(VENV)/.docs-stamp
+
+$(DOCS_STAMP): $(STAMP) requirements-docs.txt
+	$(BIN)/python -m pip install -q -r requirements-docs.txt
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --site-dir site
+# --- end docs ---------------------------------------------------------------------------------

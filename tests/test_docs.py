@@ -1,0 +1,140 @@
+"""The documentation: generated layer table, runnable snippets, and (if installed) the build.
+
+Code blocks fenced as ```python in the pages listed in RUNNABLE_PAGES are executed in order,
+one namespace per page; fragments that are not meant to run use ```py instead.
+"""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+from backpack.rules import registered_module_classes
+from backpack.rules.activations import _RULES as ACTIVATION_RULES
+from backpack.rules.losses import _LOSS_RULES
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+RUNNABLE_PAGES = ["getting-started.md", "extensions.md", "good-to-know.md", "residual-networks.md"]
+
+
+def load_generator():
+    spec = importlib.util.spec_from_file_location(
+        "backpack_docs_gen_layers", DOCS / "gen_layers.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def table():
+    return load_generator().render_layer_table()
+
+
+def rows(table):
+    """First cell -> row cells, for every table row naming a module."""
+    result = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `"):
+            result[cells[0].strip("`")] = cells[1:]
+    return result
+
+
+def test_table_lists_common_layers(table):
+    names = rows(table)
+    for cls in [
+        "Linear",
+        "Conv2d",
+        "ConvTranspose1d",
+        "BatchNorm2d",
+        "Embedding",
+        "MaxPool2d",
+        "ReLU",
+        "Tanh",
+        "Flatten",
+        "CrossEntropyLoss",
+        "MSELoss",
+    ]:
+        assert f"torch.nn.{cls}" in names, cls
+    if nn.LSTM in registered_module_classes():
+        assert "torch.nn.LSTM" in names
+    assert "backpack.custom_module.branching.SumModule" in names
+
+
+def test_table_covers_every_registry_entry(table):
+    names = rows(table)
+    for cls in [*registered_module_classes(), *ACTIVATION_RULES, *_LOSS_RULES]:
+        assert any(name.endswith(f".{cls.__name__}") for name in names), cls
+
+
+def test_table_cells_follow_the_rules(table):
+    names = rows(table)
+    assert names["torch.nn.Linear"] == ["✓", "✓", "✓", "✓"]
+    assert names["torch.nn.Embedding"][2] == "✗"  # no Kronecker factors
+    assert names["torch.nn.Tanh"][3].startswith("✓")
+    batchnorm = names["torch.nn.BatchNorm1d"]
+    assert batchnorm[0] == "✓¹" and batchnorm[2] == "✗"
+    assert "¹ only when a call does not mix the samples" in table
+    if nn.RNN in registered_module_classes():
+        assert names["torch.nn.RNN"][3].startswith("✗")
+
+
+def test_hook_replaces_marker_only_on_its_page():
+    gen = load_generator()
+    page = (DOCS / "supported-layers.md").read_text()
+    assert gen.MARKER in page
+    rendered = gen.on_page_markdown(page, None, None, None)
+    assert gen.MARKER not in rendered and "torch.nn.Linear" in rendered
+    assert gen.on_page_markdown("# other", None, None, None) == "# other"
+
+
+def test_every_page_is_in_the_nav():
+    config = (ROOT / "mkdocs.yml").read_text()
+    for page in DOCS.rglob("*.md"):
+        assert str(page.relative_to(DOCS)) in config, page
+
+
+def test_every_example_is_documented():
+    page = (DOCS / "examples.md").read_text()
+    for script in (ROOT / "examples").glob("example_*.py"):
+        assert f'--8<-- "examples/{script.name}"' in page, script.name
+
+
+@pytest.mark.parametrize("page", RUNNABLE_PAGES)
+def test_python_snippets_run(page, tmp_path, monkeypatch, capsys):
+    text = (DOCS / page).read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+    assert blocks, f"{page} has no runnable snippet"
+    monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": f"docs_{page}"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # snippets must run without warnings
+        for block in blocks:
+            exec(compile(block, f"{page}", "exec"), namespace)  # noqa: S102
+
+
+def test_mkdocs_build_strict(tmp_path):
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("material")
+    pytest.importorskip("mkdocstrings_handlers.python")
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    layers = (tmp_path / "site" / "supported-layers" / "index.html").read_text()
+    assert "torch.nn.Linear" in layers and "layer-table" not in layers
+    api = (tmp_path / "site" / "api" / "extensions" / "index.html").read_text()
+    assert "DiagGGNExact" in api
