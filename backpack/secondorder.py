@@ -233,8 +233,9 @@ def on_loss_backward(engine: Engine, record: Record, grads: tuple[Tensor | None,
     out_edge = record.input_edges[0] if record.input_edges else None
     if out_edge is None:
         return
-    if _needs_residual(exts) or any(e.factor == "sum" for e in exts):
-        check_module_graph(record, [e for e in exts if e.residual or e.factor == "sum"])
+    if _needs_residual(exts):
+        # KFRA needs no such check: its recursion only uses Jacobians (see backpack.kfra)
+        check_module_graph(record, [e for e in exts if e.residual])
     found = [(r, i, e) for r, i, e in graph_records(out_edge) if _is_parametrized(r)]
     keys = sorted({e.factor_key for e in exts if e.factor != "sum"})
     if keys:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from backpack.custom_module.branching import ActiveIdentity, SumModule
+from backpack.custom_module.branching import ActiveIdentity, CatModule, SumModule
 from backpack.custom_module.pad import Pad
 from backpack.custom_module.permute import Permute
 from backpack.custom_module.reduce_tuple import ReduceTuple
@@ -84,7 +84,24 @@ def _gelu_d2(module: nn.Module, z: Tensor) -> Tensor:
     return pdf * (2 - z * z)
 
 
+def _hardswish_d2(_: nn.Module, z: Tensor) -> Tensor:
+    return torch.where((z > -3) & (z < 3), torch.full_like(z, 1 / 3), torch.zeros_like(z))
+
+
+def _mish_d2(_: nn.Module, z: Tensor) -> Tensor:
+    s = torch.sigmoid(z)
+    t = torch.tanh(F.softplus(z))
+    return (1 - t * t) * (2 * s + z * (s * (1 - s) - 2 * t * s * s))
+
+
+def _softsign_d2(_: nn.Module, z: Tensor) -> Tensor:
+    return -2 * torch.sign(z) / (1 + z.abs()) ** 3
+
+
 _RULES: dict[type[nn.Module], ActivationRule] = {
+    nn.Hardswish: ActivationRule(_hardswish_d2),
+    nn.Mish: ActivationRule(_mish_d2),
+    nn.Softsign: ActivationRule(_softsign_d2),
     nn.Sigmoid: ActivationRule(_sigmoid_d2),
     nn.Tanh: ActivationRule(_tanh_d2),
     nn.LogSigmoid: ActivationRule(_logsigmoid_d2),
@@ -113,6 +130,7 @@ _CURVATURE_FREE: tuple[type[nn.Module], ...] = (
     nn.LeakyReLU,
     nn.ReLU6,
     nn.Hardtanh,
+    nn.Hardsigmoid,
     nn.Threshold,
     nn.Identity,
     nn.Flatten,
@@ -148,6 +166,7 @@ _CURVATURE_FREE: tuple[type[nn.Module], ...] = (
     nn.ReplicationPad3d,
     nn.modules.loss._Loss,
     SumModule,
+    CatModule,
     ActiveIdentity,
     ScaleModule,
     Permute,
