@@ -1,0 +1,334 @@
+"""`nn.RNN` (tanh / relu) and `nn.LSTM`: per-sample gradients through the recurrence.
+
+In every layer and direction the step t computes the pre-activation
+z_t = W_ih x_t + b_ih + W_hh h_{t-1} + b_hh (for LSTM the four stacked gates i, f, g, o), where
+x_t is the layer input and h_{t-1} the previous hidden state (the initial state at t = 0).
+With δ_t = ∂L/∂z_t of sample n, that sample's gradients are
+
+    W_ih: Σ_t δ_t x_tᵀ,    W_hh: Σ_t δ_t h_{t-1}ᵀ,    b_ih = b_hh: Σ_t δ_t.
+
+The δ_t come from one batched re-run of the recorded call. The input projections
+u_t = W_ih x_t + b_ih + b_hh of all steps are computed with one matrix product per layer and
+direction and fed to torch's fused recurrence with an identity input weight (so z_t = u_t + W_hh
+h_{t-1}, and ∂L/∂u_t = δ_t). One `torch.autograd.grad` of Σ (recomputed outputs · recorded output
+gradients) with respect to every u then yields δ for all steps, layers, directions and samples,
+and the parameter gradients are einsums over the time axis. The recurrence itself runs in torch's
+kernels (cuDNN on GPU), not in a Python loop.
+
+Output gradients cover everything the call returned: the sequence output and the final states
+h_n (and c_n), so models that read the last hidden state, or pass an initial state, are handled.
+Since sequences are independent, V sets of output cotangents (the columns of a second-order
+factor) are folded into the batch and served by the same single re-run of V·N sequences.
+
+No fused `batch_l2` / `sum_grad_squared` / `batch_dot`: each would need its own re-run, which
+costs more than reducing the `[N, *shape]` per-sample gradients of one re-run.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import _VF, Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
+
+from backpack.recording import Record, tensors_in
+from backpack.rules.base import GradOutputs, ModuleRule, Names, register_rule
+
+_RECURRENCES: dict[str, Callable[..., Any]] = {
+    "LSTM": _VF.lstm,
+    "RNN_TANH": _VF.rnn_tanh,
+    "RNN_RELU": _VF.rnn_relu,
+}
+
+
+#: key in `Record.extra` under which the summed gradients of a call are kept for its parameters
+_GRAD_SUM_KEY = "rnn_grad_sum"
+
+
+def _initial_state(record: Record) -> Any:
+    """Return the `hx` argument of the recorded call (None for the default zero state)."""
+    if len(record.args) > 1:
+        return record.args[1]
+    return record.kwargs.get("hx")
+
+
+def _check_supported(record: Record) -> None:
+    """Raise a clear error for configurations this rule cannot handle."""
+    module = record.module
+    name = module.__class__.__name__
+    if not record.args:
+        raise NotImplementedError(f"{name}: the input was not passed positionally.")
+    if isinstance(record.args[0], PackedSequence):
+        raise NotImplementedError(
+            f"{name} with a PackedSequence input is not supported by backpack's per-sample "
+            "rules. Pad the sequences to a tensor (torch.nn.utils.rnn.pad_packed_sequence) "
+            "before the module instead."
+        )
+    if getattr(module, "proj_size", 0) > 0:
+        raise NotImplementedError(
+            f"{name} with proj_size > 0 (projected hidden states) is not supported by "
+            "backpack's per-sample rules."
+        )
+    if module.mode not in _RECURRENCES:
+        raise NotImplementedError(f"{name} with mode {module.mode!r} is not supported.")
+    if record.training and module.dropout > 0 and module.num_layers > 1:
+        raise NotImplementedError(
+            f"{name} applied dropout={module.dropout} between its layers in training mode; "
+            "the random masks cannot be recovered for per-sample gradients. Call "
+            "model.eval() or use dropout=0."
+        )
+
+
+def _align_columns(record: Record, columns: Sequence[Tensor | None]) -> list[Tensor]:
+    """Cotangents `[V, *out.shape]` of (output, h_n[, c_n]) in depth-first order.
+
+    `columns` follows `record.outputs` (the outputs that require grad); missing ones are zeros.
+    """
+    given = iter(columns)
+    v = next((c.shape[0] for c in columns if c is not None), 1)
+    result = []
+    for needs_grad, out in zip(
+        record.out_requires_grad, tensors_in(record.output_structure), strict=True
+    ):
+        c = next(given, None) if needs_grad else None
+        result.append(out.new_zeros(v, *out.shape) if c is None else c)
+    return result
+
+
+def _check_recomputed(module: nn.Module, recomputed: Tensor, recorded: Tensor, what: str) -> None:
+    """Sanity check: the re-run must reproduce what the forward pass returned.
+
+    The tolerance only catches real mismatches (changed weights, wrong state): float32 on GPU
+    may run with TF32, and a forward under autocast recorded a 16-bit output.
+    """
+    tol = {torch.float64: 1e-6, torch.float32: 1e-2}.get(recorded.dtype, 5e-2)
+    recomputed = recomputed.to(recorded.dtype)
+    if not torch.allclose(recomputed, recorded, rtol=tol, atol=tol):
+        err = (recomputed - recorded).abs().max().item()
+        raise RuntimeError(
+            f"Re-running {module.__class__.__name__} ({module}) for per-sample gradients did not "
+            f"reproduce its recorded {what} (max abs difference {err:.3g}). Were its parameters "
+            "modified in place between the forward and the backward pass?"
+        )
+
+
+def _rerun(
+    module: nn.Module,
+    x: Tensor,
+    hx: Any,
+    grads: list[Tensor],
+    recorded_h_n: Tensor,
+) -> dict[str, tuple[Tensor, Tensor, Tensor]]:
+    """Recompute the recurrence batched over samples and backpropagate to all pre-activations.
+
+    Args:
+        module: The `nn.RNN` / `nn.LSTM`.
+        x: Time-major input `[T, N, in]`.
+        hx: None, the initial hidden state `[L*D, N, H]`, or `(h0, c0)` for LSTM.
+        grads: Time-major gradient of the output `[T, N, D*H]`, then of h_n (and c_n).
+        recorded_h_n: The recorded final hidden state `[L*D, n, H]`, for the sanity check
+            (compared with the first n sequences of the re-run).
+
+    Returns:
+        For each parameter suffix ("_l0", "_l0_reverse", ...): δ, the layer input and the
+        previous hidden states, all time-major `[T, N, *]` in the order in which that direction
+        processes the sequence.
+
+    """
+    is_lstm = module.mode == "LSTM"
+    recurrence = _RECURRENCES[module.mode]
+    layers, dirs = module.num_layers, 2 if module.bidirectional else 1
+    hidden, n = module.hidden_size, x.shape[1]
+    gates = (4 if is_lstm else 1) * hidden
+    eye = torch.eye(gates, dtype=x.dtype, device=x.device)
+    if hx is None:
+        h0 = x.new_zeros(layers * dirs, n, hidden)
+        c0 = h0 if is_lstm else None
+    elif is_lstm:
+        h0, c0 = hx
+    else:
+        h0, c0 = hx, None
+
+    leaves, finals_h, finals_c = [], [], []
+    with torch.enable_grad(), warnings.catch_warnings():
+        # cuDNN warns that the weights are not one contiguous chunk; irrelevant for one call
+        warnings.filterwarnings("ignore", message=".*contiguous chunk of memory.*")
+        layer_in = x
+        for k in range(layers):
+            outs = []
+            for d in range(dirs):
+                suffix = f"_l{k}" + ("_reverse" if d else "")
+                w_ih = getattr(module, f"weight_ih{suffix}").detach()
+                w_hh = getattr(module, f"weight_hh{suffix}").detach()
+                bias = None
+                if module.bias:
+                    bias = getattr(module, f"bias_ih{suffix}").detach() + getattr(
+                        module, f"bias_hh{suffix}"
+                    ).detach()
+                seq = layer_in.flip(0) if d else layer_in
+                u = nn.functional.linear(seq, w_ih, bias)
+                if not u.requires_grad:
+                    u.requires_grad_()
+                idx = k * dirs + d
+                state_h = h0[idx : idx + 1]
+                state = (state_h, c0[idx : idx + 1]) if is_lstm else state_h
+                res = recurrence(u, state, [eye, w_hh], False, 1, 0.0, True, False, False)
+                out = res[0]
+                finals_h.append(res[1])
+                if is_lstm:
+                    finals_c.append(res[2])
+                h_prev = torch.cat([state_h, out[:-1].detach()], 0)
+                leaves.append((suffix, u, seq.detach(), h_prev))
+                outs.append(out.flip(0) if d else out)
+            layer_in = torch.cat(outs, -1) if dirs > 1 else outs[0]
+        recomputed = [layer_in, torch.cat(finals_h, 0)]
+        if is_lstm:
+            recomputed.append(torch.cat(finals_c, 0))
+        # one backward of Σ (recomputed outputs · recorded output gradients) to every u
+        grads = [g.to(r.dtype) for g, r in zip(grads, recomputed, strict=True)]
+        deltas = torch.autograd.grad(
+            recomputed, [u for _, u, _, _ in leaves], grads, allow_unused=True
+        )
+    # the final states depend on every layer, direction and step: one cheap comparison
+    n = recorded_h_n.shape[1]  # the first n sequences of the re-run are the recorded ones
+    _check_recomputed(module, recomputed[1][:, :n].detach(), recorded_h_n, "final state h_n")
+    return {
+        suffix: (torch.zeros_like(u) if delta is None else delta, seq, h_prev)
+        for (suffix, u, seq, h_prev), delta in zip(leaves, deltas, strict=True)
+    }
+
+
+@register_rule(nn.RNN, nn.LSTM)
+class RNNRule(ModuleRule):
+    """Per-sample gradients of `nn.RNN` (tanh, relu) and `nn.LSTM`.
+
+    Any number of layers, both directions, with or without bias, `batch_first` either way,
+    unbatched `[T, in]` inputs and user-provided initial states. Not supported (clear
+    `NotImplementedError`): `PackedSequence` inputs, LSTM `proj_size > 0`, and dropout between
+    layers in training mode.
+    """
+
+    def batch_axis(self, module: nn.Module) -> int:
+        """Return the sample axis: 0 with `batch_first=True`, else 1."""
+        return 0 if module.batch_first else 1
+
+    def batch_size(self, record: Record) -> int:
+        """Return the number of sequences in the call (1 for an unbatched `[T, in]` input)."""
+        _check_supported(record)
+        x = record.args[0]
+        if x.dim() == 2:
+            return 1
+        return x.shape[self.batch_axis(record.module)]
+
+    def per_sample_grads(
+        self,
+        record: Record,
+        grad_outputs: GradOutputs,
+        names: Names,
+        subsampling: Sequence[int] | None = None,
+    ) -> dict[str, Tensor]:
+        """`[N, *param.shape]` gradients of every requested weight and bias."""
+        columns = [None if g is None else g.unsqueeze(0) for g in grad_outputs]
+        result = _column_grads(record, columns, names, subsampling)
+        return {name: value[0] for name, value in result.items()}
+
+    def sqrt_factor(
+        self,
+        record: Record,
+        factors: Sequence[Tensor | None],
+        names: Names,
+        subsampling: Sequence[int] | None = None,
+    ) -> dict[str, Tensor]:
+        """Jᵀ f for all V factor columns `[V, N, *param.shape]` (one re-run of V·N sequences)."""
+        return _column_grads(record, factors, names, subsampling)
+
+    def grad_sum_entries(
+        self, record: Record, grad_outputs: GradOutputs, name: str, index: Tensor
+    ) -> Tensor:
+        """Entries of this call's gradient; one re-run serves all parameters of the call.
+
+        (No fused `grad_sum`: the engine would call it next to `per_sample_grads`, which already
+        holds the sums, and each costs a re-run.)
+        """
+        cached = record.extra.get(_GRAD_SUM_KEY)
+        if cached is None or cached[0] is not grad_outputs:
+            names = [n for n, p in record.module.named_parameters(recurse=False) if p.requires_grad]
+            columns = [None if g is None else g.unsqueeze(0) for g in grad_outputs]
+            sums = _column_grads(record, columns, names, None, summed=True)
+            # keeping grad_outputs referenced makes the identity test above reliable
+            cached = record.extra[_GRAD_SUM_KEY] = (grad_outputs, sums)
+        return cached[1][name].flatten()[index]
+
+
+def _column_grads(
+    record: Record,
+    columns: Sequence[Tensor | None],
+    names: Names,
+    subsampling: Sequence[int] | None,
+    summed: bool = False,
+) -> dict[str, Tensor]:
+    """Per-sample parameter gradients `[V, N', *shape]` for V sets of output cotangents.
+
+    Samples are independent, so the V columns are folded into the batch: one re-run of V·N'
+    sequences (N' = len(subsampling) if given) yields all of them. With `summed`, return the
+    sums over columns and samples instead (`[*shape]`).
+    """
+    _check_supported(record)
+    module = record.module
+    x = record.args[0]
+    hx = _initial_state(record)
+    cots = _align_columns(record, columns)
+    v = cots[0].shape[0]
+    h_n = list(tensors_in(record.output_structure))[1]
+
+    # time-major with an explicit batch axis 1: x, h_n, hx `[T or L*D, N, *]`; cotangents get a
+    # leading column axis, `[V, T or L*D, N, *]`
+    if x.dim() == 2:
+        x, h_n = x.unsqueeze(1), h_n.unsqueeze(1)
+        cots = [c.unsqueeze(2) for c in cots]
+        if hx is not None:
+            hx = tuple(h.unsqueeze(1) for h in hx) if isinstance(hx, tuple) else hx.unsqueeze(1)
+    elif module.batch_first:
+        x = x.transpose(0, 1)
+        cots[0] = cots[0].transpose(1, 2)
+
+    if subsampling is not None:
+        # samples are independent: re-run only the requested ones
+        index = torch.as_tensor(list(subsampling), dtype=torch.long, device=x.device)
+        x, h_n = x.index_select(1, index), h_n.index_select(1, index)
+        cots = [c.index_select(2, index) for c in cots]
+        if hx is not None:
+            hx = (
+                tuple(h.index_select(1, index) for h in hx)
+                if isinstance(hx, tuple)
+                else hx.index_select(1, index)
+            )
+    n = x.shape[1]
+
+    def fold(c: Tensor) -> Tensor:
+        """`[V, A, N, *]` -> `[A, V*N, *]`, sequence v*N + n."""
+        return c.transpose(0, 1).reshape(c.shape[1], v * n, *c.shape[3:])
+
+    def repeat(t: Tensor) -> Tensor:
+        return t if v == 1 else t.repeat(1, v, *([1] * (t.dim() - 2)))
+
+    grads = [fold(c) for c in cots]
+    x = repeat(x)
+    if hx is not None:
+        hx = tuple(repeat(h) for h in hx) if isinstance(hx, tuple) else repeat(hx)
+
+    spec = "tbg,tbi->gi" if summed else "tbg,tbi->bgi"
+    result = {}
+    for suffix, (delta, seq, h_prev) in _rerun(module, x, hx, grads, h_n).items():
+        for name, other in ((f"weight_ih{suffix}", seq), (f"weight_hh{suffix}", h_prev)):
+            if name in names:
+                result[name] = torch.einsum(spec, delta, other)
+        for name in (f"bias_ih{suffix}", f"bias_hh{suffix}"):
+            if name in names:
+                result[name] = delta.sum((0, 1)) if summed else delta.sum(0)
+    if summed:
+        return result
+    return {name: value.reshape(v, n, *value.shape[1:]) for name, value in result.items()}
