@@ -24,8 +24,10 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 
 from backpack.recording import Record, records_at
+from backpack.rules import find_rule
 from backpack.rules.activations import find_activation_rule, is_curvature_free
 from backpack.rules.base import ModuleRule
+from backpack.rules.generic import FuncRule
 from backpack.rules.losses import find_loss_rule
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -147,6 +149,9 @@ def propagate(
             ]
     finally:
         engine.propagating = False
+
+
+_GENERIC = FuncRule()
 
 
 class Entry:
@@ -340,37 +345,46 @@ def matrix_product(uses: list[tuple[Record, list[Entry]]], name: str) -> Callabl
     at the same position of each use's list belong to the same term (cross terms between uses
     included).
     """
-    snapshots = [(r.module, r.args, r.kwargs, r.out_requires_grad, es) for r, es in uses]
+    snapshots = []
+    for record, entries in uses:
+        rule = find_rule(record.module) or _GENERIC
+        axes = rule.output_batch_axes(record)
+        snapshots.append(
+            (record.module, record.args, record.kwargs, record.out_requires_grad, entries, axes)
+        )
     n_entries = len(uses[0][1]) if uses else 0
 
     def product(mat: Tensor) -> Tensor:
         from backpack.rules.generic import jvp_outputs, vjp_params
 
         result = torch.zeros_like(mat)
-        tangents = [jvp_outputs(m, a, kw, name, mat, rg) for m, a, kw, rg, _ in snapshots]
+        tangents = [jvp_outputs(m, a, kw, name, mat, rg) for m, a, kw, rg, _, _ in snapshots]
         for e in range(n_entries):
-            # t[k, v, n] = Σ_uses <f_vn, J_use M_k>
+            # t[k, v, n] = Σ_uses <f_vn, J_use M_k>, contracting each sample's slice
             t = None
-            for (_, _, _, _, entries), outs in zip(snapshots, tangents):
-                for factor, tangent in zip(entries[e].factors, outs):
+            for (_, _, _, _, entries, axes), outs in zip(snapshots, tangents):
+                for factor, tangent, axis in zip(entries[e].factors, outs, axes):
                     if factor is None:
                         continue
-                    contrib = torch.einsum("vnd,knd->kvn", factor.flatten(2), tangent.flatten(2))
+                    f = factor.movedim(1 + axis, 1).flatten(2)
+                    contrib = torch.einsum(
+                        "vnd,knd->kvn", f, tangent.movedim(1 + axis, 1).flatten(2)
+                    )
                     t = contrib if t is None else t + contrib
             if t is None:
                 continue
             coef = uses[0][1][e].coef
             if coef is not None:
                 t = t * coef
-            for module, args, kwargs, req, entries in snapshots:
-                cots = [
-                    None
-                    if f is None
-                    else torch.einsum("kvn,vnd->knd", t, f.flatten(2)).reshape(
-                        t.shape[0], *f.shape[1:]
-                    )
-                    for f in entries[e].factors
-                ]
+            for module, args, kwargs, req, entries, axes in snapshots:
+                cots = []
+                for f, axis in zip(entries[e].factors, axes):
+                    if f is None:
+                        cots.append(None)
+                        continue
+                    moved = f.movedim(1 + axis, 1)
+                    cot = torch.einsum("kvn,vnd->knd", t, moved.flatten(2))
+                    cots.append(cot.reshape(t.shape[0], *moved.shape[1:]).movedim(1, 1 + axis))
                 result = result + vjp_params(module, args, kwargs, name, cots, req)
         return result
 

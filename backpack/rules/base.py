@@ -38,6 +38,10 @@ class ModuleRule:
         """Axis of the module's inputs and outputs that indexes samples."""
         return 0
 
+    def output_batch_axes(self, record: Record) -> list[int]:
+        """Sample axis of each recorded output (used by the curvature matrix products)."""
+        return [0] * len(record.outputs)
+
     def batch_size(self, record: Record) -> int:
         """Number of samples in the recorded call."""
         return record.args[0].shape[self.batch_axis(record.module)]

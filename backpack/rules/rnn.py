@@ -165,9 +165,10 @@ def _rerun(
                 w_hh = getattr(module, f"weight_hh{suffix}").detach()
                 bias = None
                 if module.bias:
-                    bias = getattr(module, f"bias_ih{suffix}").detach() + getattr(
-                        module, f"bias_hh{suffix}"
-                    ).detach()
+                    bias = (
+                        getattr(module, f"bias_ih{suffix}").detach()
+                        + getattr(module, f"bias_hh{suffix}").detach()
+                    )
                 seq = layer_in.flip(0) if d else layer_in
                 u = nn.functional.linear(seq, w_ih, bias)
                 if not u.requires_grad:
@@ -214,6 +215,15 @@ class RNNRule(ModuleRule):
     def batch_axis(self, module: nn.Module) -> int:
         """Return the sample axis: 0 with `batch_first=True`, else 1."""
         return 0 if module.batch_first else 1
+
+    def output_batch_axes(self, record: Record) -> list[int]:
+        """Sample axis of (output, h_n[, c_n]): like the input for output, 1 for final states."""
+        if record.args[0].dim() == 2:
+            raise NotImplementedError(
+                "Curvature matrix products need batched RNN inputs; got an unbatched [T, in] call."
+            )
+        axes = [self.batch_axis(record.module)] + [1] * (len(record.outputs) - 1)
+        return axes[: len(record.outputs)]
 
     def batch_size(self, record: Record) -> int:
         """Return the number of sequences in the call (1 for an unbatched `[T, in]` input)."""

@@ -267,12 +267,6 @@ def test_ggn_diagonals_and_square_root(key):
         torch.testing.assert_close(sqrt_diag, expected, rtol=1e-6, atol=1e-9, msg=name)
 
 
-@pytest.mark.xfail(
-    reason="engine bug: secondorder.matrix_product contracts factor and tangent over axis 1 of "
-    "`[V, *out]`, assuming every module output has its batch axis first; h_n/c_n (and "
-    "time-major outputs) have it at axis 1",
-    strict=True,
-)
 def test_ggnmp_with_final_state_outputs():
     torch.manual_seed(8)
     model = Reader("tanh", True, 1, False, True, False).to(DTYPE)
