@@ -51,9 +51,13 @@ def _same_edge(a: GradientEdge, b: GradientEdge) -> bool:
 
 def _matrix_sqrt(mat: Tensor) -> Tensor:
     """L with L Lᵀ = mat for a symmetric positive semi-definite matrix (columns of L: `[D, r]`)."""
-    evals, evecs = torch.linalg.eigh((mat + mat.T) / 2)
+    # float64: single-precision eigh fails to converge on large, low-rank curvature matrices
+    sym = ((mat + mat.T) / 2).double()
+    evals, evecs = torch.linalg.eigh(sym)
     keep = evals > evals.abs().max().clamp_min(1e-300) * mat.shape[0] * torch.finfo(mat.dtype).eps
-    return evecs[:, keep] * evals[keep].sqrt()
+    if not keep.any():  # no curvature reaches this point: one zero column keeps shapes valid
+        return torch.zeros(mat.shape[0], 1, dtype=mat.dtype, device=mat.device)
+    return (evecs[:, keep] * evals[keep].sqrt()).to(mat.dtype)
 
 
 def _sandwich(
