@@ -1,0 +1,147 @@
+"""Smoke test of the benchmark code (benchmarks/): every problem and row once, on tiny sizes.
+
+No timing assertions: only that the runner produces a complete, well-formed table and JSON, and
+that the memory accounting measures a known allocation correctly.
+"""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import problems as P  # noqa: E402
+from benchmarks import run as R  # noqa: E402
+
+STATUSES = {"ok", "refused", "error", "capped", "skipped", "n/a"}
+CELL = re.compile(r"^(\d+\.\d\dx( [✓✗~])?|(refused|error|skipped): .+|capped: .+|—)$")
+
+
+def _table_rows(markdown: str, title: str) -> dict[str, list[str]]:
+    section = markdown.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.strip().splitlines()[2:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_peak_memory_of_a_known_allocation():
+    def step():
+        a = torch.empty(1 << 20)  # 4 MiB
+        del a
+        b = torch.empty(1 << 18)  # 1 MiB, freed at the end
+        return b.sum()
+
+    peak = R.peak_extra_bytes(step, torch.device("cpu"))
+    assert 4 * 2**20 <= peak < 5 * 2**20
+
+
+def test_problems_build_deterministically():
+    for name in P.PROBLEMS:
+        m1, x1, y1, _ = P.build(name, tiny=True)
+        m2, x2, y2, _ = P.build(name, tiny=True)
+        torch.testing.assert_close(x1, x2, rtol=0, atol=0)
+        assert torch.equal(y1, y2)
+        for p1, p2 in zip(m1.parameters(), m2.parameters()):
+            torch.testing.assert_close(p1, p2, rtol=0, atol=0)
+        with torch.no_grad():
+            assert m1(x1).shape == (x1.shape[0], 10)
+
+
+def test_full_size_shapes_of_3c3d():
+    model, x, _, _ = P.build("3c3d")
+    assert tuple(x.shape) == (64, 3, 32, 32)
+    convs = [m for m in model if isinstance(m, torch.nn.Conv2d)]
+    assert [c.out_channels for c in convs] == [64, 96, 128]
+    linears = [m for m in model if isinstance(m, torch.nn.Linear)]
+    assert [(m.in_features, m.out_features) for m in linears] == [
+        (1152, 512),
+        (512, 256),
+        (256, 10),
+    ]
+
+
+def _run_tiny(tmp_path, capsys, problems, rows):
+    out = tmp_path / "out"
+    argv = ["--tiny", "--in-process", "--threads", "1", "--case-budget", "0", "--out", str(out)]
+    code = R.main([*argv, "--problems", *problems, "--extensions", *rows])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    markdown = (out / "results.md").read_text()
+    assert markdown in capsys.readouterr().out
+    return results, markdown
+
+
+def _check(results, markdown, problems, rows):
+    assert list(results["problems"]) == problems
+    for name, problem in results["problems"].items():
+        assert "error" not in problem, problem.get("error")
+        assert set(problem["cases"]) == set(rows)
+        for row, case in problem["cases"].items():
+            assert case["status"] in STATUSES, (name, row)
+            if case["status"] == "ok":
+                assert case["ratio"] > 0 and case["repeats"] >= 1
+                assert isinstance(case["peak_bytes"], int)
+            elif case["status"] in ("refused", "error"):
+                assert case["reason"], (name, row)
+    ratios = _table_rows(markdown, "Ratio to plain forward + backward")
+    memory = _table_rows(markdown, "Extra peak memory")
+    for row in rows:
+        assert len(ratios[row]) == len(problems)
+        assert len(memory[row]) == len(problems)
+        if row != P.OPACUS:  # "—" when Opacus is not installed
+            for cell in ratios[row]:
+                assert CELL.match(cell), (row, cell)
+
+
+SOME_ROWS = [P.NO_EXTENSION, "BatchGrad", "Variance", "DiagGGNExact", "KFLR", "KFRA", P.TORCH_FUNC]
+
+
+def test_tiny_run_every_problem(tmp_path, capsys):
+    problems = list(P.PROBLEMS)
+    results, markdown = _run_tiny(tmp_path, capsys, problems, SOME_ROWS)
+    _check(results, markdown, problems, SOME_ROWS)
+
+
+def test_tiny_run_every_row(tmp_path, capsys):
+    rows = list(P.EXTENSION_ROWS + P.BASELINE_ROWS)
+    results, markdown = _run_tiny(tmp_path, capsys, ["mlp_big"], rows)
+    _check(results, markdown, ["mlp_big"], rows)
+
+
+@pytest.mark.parametrize("row", ["BatchGrad"])
+def test_worker_process(tmp_path, row):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "benchmarks.run", "--tiny", "--threads", "1", "--case-budget", "0"]
+    cmd += ["--problems", "mlp", "--extensions", row, "none", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads((out / "results.json").read_text())
+    cases = results["problems"]["mlp"]["cases"]
+    assert set(cases) == {row, P.NO_EXTENSION}
+    assert cases[row]["status"] == "ok"
+    # at the end of the step, .grad and the [N, *param] float32 per-sample gradients are alive
+    model, x, _, _ = P.build("mlp", tiny=True)
+    params = sum(p.numel() for p in model.parameters())
+    assert cases[row]["peak_bytes"] >= (x.shape[0] + 1) * params * 4
+    assert cases[row]["extra_peak_bytes"] > 0
+    assert f"| {row} |" in proc.stdout
+
+
+def test_targets_are_judged():
+    ok = {"status": "ok", "ratio": 1.2, "first_run_seconds": 0.1}
+    assert R.judge("BatchL2Grad", "3c3d", ok, None)["met"] is True
+    assert R.judge("BatchL2Grad", "3c3d", {**ok, "ratio": 2.0}, None)["met"] is False
+    assert R.judge("BatchGrad", "mlp", ok, 1.1)["met"] is False
+    assert R.judge("DiagGGNExact", "3c3d", {**ok, "ratio": 5.0}, None)["met"] is None
+    refused = {"status": "refused", "ratio": None, "first_run_seconds": 0.01, "reason": "x"}
+    assert R.judge("KFRA", "3c3d", refused, None)["met"] is True
+    assert R.judge("SqrtGGNMC", "mlp", ok, None) is None
