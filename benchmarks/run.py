@@ -534,9 +534,15 @@ def judge(row: str, problem: str, case: dict, torch_func_ratio: float | None) ->
 _MARK = {True: "✓", False: "✗", None: "~"}
 
 
+def _md_text(text: str) -> str:
+    """Text safe inside a markdown table cell (no pipes, no HTML-looking `<class ...>`)."""
+    return text.replace("|", "/").replace("<", "&lt;").replace(">", "&gt;")
+
+
 def _short_reason(reason: str, limit: int = 70) -> str:
-    first = reason.split(". ")[0].replace("|", "/")
-    return first if len(first) <= limit else first[: limit - 1] + "…"
+    first = reason.split(". ")[0]
+    first = first if len(first) <= limit else first[: limit - 1] + "…"
+    return _md_text(first)
 
 
 def _cell(case: dict | None, verdict: dict | None) -> str:
@@ -551,6 +557,19 @@ def _cell(case: dict | None, verdict: dict | None) -> str:
     if status == "n/a":
         return "—"
     return f"{status}: {_short_reason(case['reason'])}{mark}"
+
+
+def _plain_ms(problem: dict) -> str:
+    """Median time of all plain runs that were interleaved with measured cases."""
+    times = [
+        c["plain_seconds"]
+        for c in problem.get("cases", {}).values()
+        if c["status"] == "ok" and c.get("plain_seconds")
+    ]
+    if not times and problem.get("plain_seconds") is None:
+        return "—"
+    value = statistics.median(times) if times else problem["plain_seconds"]
+    return f"{value * 1e3:.2f} ms"
 
 
 def _mem_cell(case: dict | None) -> str:
@@ -586,11 +605,8 @@ def render_markdown(results: dict) -> str:
     header = "| | " + " | ".join(names) + " |"
     sep = "|---|" + "---|" * len(names)
     lines += ["## Ratio to plain forward + backward", "", header, sep]
-    plain = [
-        f"{probs[n]['plain_seconds'] * 1e3:.2f} ms" for n in names if "plain_seconds" in probs[n]
-    ]
-    if len(plain) == len(names):
-        lines.append("| plain forward+backward (absolute) | " + " | ".join(plain) + " |")
+    plain = [_plain_ms(probs[n]) for n in names]
+    lines.append("| plain forward+backward (absolute, median) | " + " | ".join(plain) + " |")
     rows = [
         r
         for r in (*P.EXTENSION_ROWS, *P.BASELINE_ROWS)
@@ -628,9 +644,9 @@ def render_markdown(results: dict) -> str:
             notes.append(f"- **{n}**: worker failed: {probs[n]['error']}")
         for row, case in probs[n].get("cases", {}).items():
             if case["status"] in ("refused", "error", "capped", "skipped") and case["reason"]:
-                notes.append(f"- **{row} @ {n}** ({case['status']}): {case['reason']}")
+                notes.append(f"- **{row} @ {n}** ({case['status']}): {_md_text(case['reason'])}")
             if case.get("note"):
-                notes.append(f"- **{row} @ {n}**: {case['note']}")
+                notes.append(f"- **{row} @ {n}**: {_md_text(case['note'])}")
     if notes:
         lines += ["", "## Refusals, errors, caps, notes", "", *notes]
     verdict_lines = []
