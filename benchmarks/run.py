@@ -148,6 +148,16 @@ def _timed(step: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+def _collect_aborted_graph() -> None:
+    """Free the graph of a backward that raised.
+
+    Records of multi-output modules (LSTM) hang on reference cycles through torch's multi-grad
+    hooks; after an aborted backward they would stay "live" until the cyclic garbage collector
+    runs, and the next case would see a second use of the module.
+    """
+    gc.collect()
+
+
 @contextlib.contextmanager
 def _quiet_stderr() -> Any:
     """Silence file descriptor 2 (the profiler backend logs every start and stop there)."""
@@ -231,9 +241,6 @@ def measure_case(
     if time.time() > cfg.deadline:
         return Case("skipped", reason="time limit of the whole run reached")
     caught: list[str] = []
-    # records of graphs dropped without a completed backward can sit in reference cycles
-    # (torch's multi-grad hooks) and would look like live uses of a module: collect them
-    gc.collect()
     clear()
     start = time.perf_counter()
     try:
@@ -243,17 +250,18 @@ def measure_case(
             _timed(step, device)
         caught = list(dict.fromkeys(str(w.message).split("\n")[0][:200] for w in seen))
     except NotImplementedError as err:
-        return Case(
-            "refused",
-            reason=_short_error(err),
-            first_run_seconds=time.perf_counter() - start,
-        )
+        failure = Case("refused", reason=_short_error(err))
     except Exception as err:  # noqa: BLE001 - any failure is a result to report
         if os.environ.get("BENCH_TRACEBACK"):
             traceback.print_exc()
-        return Case(
-            "error", reason=_short_error(err), first_run_seconds=time.perf_counter() - start
-        )
+        failure = Case("error", reason=_short_error(err))
+    else:
+        failure = None
+    if failure is not None:
+        failure.first_run_seconds = time.perf_counter() - start
+        # outside the except clause: the traceback (and the graph it holds) is gone
+        _collect_aborted_graph()
+        return failure
     first = time.perf_counter() - start
     warned = tuple(caught)
     if first > cfg.case_cap:

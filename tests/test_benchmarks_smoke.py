@@ -102,7 +102,7 @@ def _check(results, markdown, problems, rows):
                 assert CELL.match(cell), (row, cell)
 
 
-SOME_ROWS = [P.NO_EXTENSION, "BatchGrad", "Variance", "DiagGGNExact", "KFLR", "KFRA", P.TORCH_FUNC]
+SOME_ROWS = [P.NO_EXTENSION, "BatchGrad", "Variance", "DiagGGNExact", "KFLR", P.TORCH_FUNC]
 
 
 def test_tiny_run_every_problem(tmp_path, capsys):
