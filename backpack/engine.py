@@ -266,12 +266,11 @@ class Engine:
         self._task_id: int | None = None
         self._accumulators: dict[Tensor, _Accumulator] = {}
         self._deferred_hooks: dict[nn.Module, Record] = {}
-        self._last_record: dict[nn.Module, Record] = {}
 
     # --- pass bookkeeping --------------------------------------------------------------------
     def _enter_pass(self) -> None:
         task = torch._C._current_graph_task_id()
-        if task == self._task_id or self._task_id is not None:
+        if self._task_id is not None:
             # same pass, or a backward nested inside it (its end callback has not run yet)
             return
         self.reset()
@@ -284,7 +283,6 @@ class Engine:
         self._accumulators = {}
         self._second_acc = {}
         self._deferred_hooks = {}
-        self._last_record = {}
         self.loss_seen = False
         for coverage in self._coverage.values():
             if coverage.handle is not None:

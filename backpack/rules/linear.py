@@ -18,6 +18,12 @@ from backpack.recording import Record
 from backpack.rules.base import GradOutputs, ModuleRule, Names, register_rule
 
 
+def _flat_input(record: Record) -> Tensor:
+    """Input as `[N, T, in]` (T = 1 for 2-D inputs)."""
+    x = record.args[0]
+    return x.reshape(x.shape[0], -1, x.shape[-1])
+
+
 def _flat(record: Record, grad_outputs: GradOutputs) -> tuple[Tensor, Tensor]:
     """Input `[N, T, in]` and output gradient `[N, T, out]` (T = 1 for 2-D inputs)."""
     x, g = record.args[0], grad_outputs[0]
@@ -130,7 +136,7 @@ class LinearRule(ModuleRule):
         return f.reshape(f.shape[0], f.shape[1], -1, f.shape[-1])
 
     def sqrt_factor(self, record, factors, names, subsampling=None):  # noqa: D102
-        x = _flat(record, (record.outputs[0],))[0]
+        x = _flat_input(record)
         f = self._flat_factor(record, factors)
         if subsampling is not None:
             index = torch.as_tensor(subsampling, device=x.device)
@@ -143,7 +149,7 @@ class LinearRule(ModuleRule):
         return result
 
     def diag_from_factor(self, record, factors, names, coef, per_sample):  # noqa: D102
-        x = _flat(record, (record.outputs[0],))[0]
+        x = _flat_input(record)
         f = self._flat_factor(record, factors)
         if x.shape[1] != 1 and "weight" in names:
             return super().diag_from_factor(record, factors, names, coef, per_sample)
@@ -164,7 +170,7 @@ class LinearRule(ModuleRule):
 
     def kron_factors(self, record, factors, names):  # noqa: D102
         # Sequence inputs [N, T, in] follow the "expand" convention: positions act as samples.
-        x = _flat(record, (record.outputs[0],))[0]
+        x = _flat_input(record)
         f = self._flat_factor(record, factors)
         g = torch.einsum("vnto,vntp->op", f, f)
         result = {}
