@@ -266,6 +266,8 @@ class Engine:
         self._task_id: int | None = None
         self._accumulators: dict[Tensor, _Accumulator] = {}
         self._deferred_hooks: dict[nn.Module, Record] = {}
+        #: id(record) -> (record, output gradients so far, [output nodes reported])
+        self._partial: dict[int, tuple[Record, list, list[int]]] = {}
 
     # --- pass bookkeeping --------------------------------------------------------------------
     def _enter_pass(self) -> None:
@@ -283,6 +285,7 @@ class Engine:
         self._accumulators = {}
         self._second_acc = {}
         self._deferred_hooks = {}
+        self._partial = {}
         self.loss_seen = False
         for coverage in self._coverage.values():
             if coverage.handle is not None:
@@ -292,6 +295,9 @@ class Engine:
 
     def _finish_pass(self) -> None:
         try:
+            # multi-output calls some of whose outputs the loss does not use
+            for record, grads, _ in list(self._partial.values()):
+                self._process(record, tuple(grads))
             for acc in list(self._accumulators.values()):
                 self._finalize_accumulator(acc)
             for acc in list(self._second_acc.values()):
@@ -312,6 +318,23 @@ class Engine:
         except BaseException:
             self.reset()  # the backward aborts: its end-of-pass callback will not run
             raise
+
+    def on_module_output_part(
+        self, record: Record, parts: list[tuple[int, Tensor | None]], nodes: int
+    ) -> None:
+        """Gradients of some outputs of a multi-output call (one of its `nodes` output nodes)."""
+        if self.propagating:
+            return
+        self._enter_pass()
+        entry = self._partial.get(id(record))
+        if entry is None:
+            entry = self._partial[id(record)] = (record, [None] * len(record.outputs), [0])
+        for index, grad in parts:
+            entry[1][index] = grad
+        entry[2][0] += 1
+        if entry[2][0] >= nodes:
+            del self._partial[id(record)]
+            self.on_module_backward(record, tuple(entry[1]))
 
     def _process(self, record: Record, grads: tuple[Tensor | None, ...]) -> None:
         module = record.module
@@ -407,7 +430,7 @@ class Engine:
                         setattr(params[name], ext.savefield, values[name])
                 psg = quantities._psg
                 for name in direct:
-                    part = None if psg is None else psg[name].sum(0)
+                    part = None if psg is None else psg[name]
                     self._cover(record, grads, rule, name, params[name], part)
         for name in shared:
             p = params[name]
@@ -418,7 +441,7 @@ class Engine:
             with torch.no_grad():
                 psg = rule.per_sample_grads(record, grads, [name])[name]
                 acc.add(psg)
-                self._cover(record, grads, rule, name, p, psg.sum(0))
+                self._cover(record, grads, rule, name, p, psg)
             if acc.seen >= acc.expected:
                 self._finalize_accumulator(acc)
         return any(p in self._accumulators for p in params.values())
@@ -515,9 +538,13 @@ class Engine:
         rule: ModuleRule,
         name: str,
         param: Tensor,
-        grad_sum: Tensor | None,
+        psg: Tensor | None,
     ) -> None:
-        """Add this call's gradient at the probe entries of `param` (once per call)."""
+        """Add this call's gradient at the probe entries of `param` (once per call).
+
+        `psg` are this call's per-sample gradients if they were materialised anyway; only the
+        probed entries are read from them (or computed by the rule otherwise).
+        """
         key = (id(record), id(param))
         if key in self._covered:
             return
@@ -531,8 +558,8 @@ class Engine:
                 coverage.check(grad, fields)
 
             coverage.handle = param.register_hook(hook)
-        if grad_sum is not None:
-            part = grad_sum.flatten()[coverage.index]
+        if psg is not None:
+            part = psg.flatten(1)[:, coverage.index].sum(0)
         else:
             part = rule.grad_sum_entries(record, grads, name, coverage.index)
         coverage.add(part)

@@ -254,12 +254,14 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
                 _dispatch(record, (grads[nr],))
 
             node.register_prehook(_node_hook)
-    else:
+    elif any(t.grad_fn is None for t in out_tensors):
 
         def _multi_hook(grads: Any, record: Record = record) -> None:
             _dispatch(record, tuple(grads))
 
         torch.autograd.graph.register_multi_grad_hook(out_tensors, _multi_hook)
+    else:
+        _hook_output_nodes(record, out_tensors)
     if not disabled:
         ref = weakref.ref(record)
         for nr, tensor in enumerate(out_tensors):
@@ -269,6 +271,34 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
                 _NODE_RECORDS.setdefault(node._sequence_nr(), []).append(entry)
         if len(_NODE_RECORDS) > _NODE_RECORDS_PRUNE_AT[0]:
             _prune_node_records()
+
+
+def _hook_output_nodes(record: Record, out_tensors: list[Tensor]) -> None:
+    """One pre-hook per node producing some of the outputs of a multi-output call.
+
+    Each hook hands the engine the gradients of its outputs; the engine runs the module once all
+    nodes reported, or at the end of the pass (outputs the loss does not use never report).
+    Unlike `register_multi_grad_hook`, whose closure holds the output tensors (a reference cycle
+    through their nodes that only the garbage collector breaks), the hooks hold only the record,
+    so the record dies with the graph.
+    """
+    groups: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
+    for index, tensor in enumerate(out_tensors):
+        node = tensor.grad_fn
+        groups.setdefault(node._sequence_nr(), (node, []))[1].append((index, tensor.output_nr))
+    for node, members in groups.values():
+
+        def _part_hook(
+            grads: tuple,
+            record: Record = record,
+            members: tuple[tuple[int, int], ...] = tuple(members),
+            nodes: int = len(groups),
+        ) -> None:
+            engine = CTX.engine
+            if engine is not None:
+                engine.on_module_output_part(record, [(i, grads[nr]) for i, nr in members], nodes)
+
+        node.register_prehook(_part_hook)
 
 
 def _prune_node_records() -> None:

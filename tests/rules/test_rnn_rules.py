@@ -1,5 +1,6 @@
 """nn.RNN / nn.LSTM rule: every configuration against brute-force autograd, and its limits."""
 
+import gc
 import itertools
 
 import pytest
@@ -19,7 +20,7 @@ from backpack.extensions import (
     SqrtGGNExact,
     Variance,
 )
-from backpack.recording import Record, tensors_in
+from backpack.recording import Record, live_records, tensors_in
 from backpack.rules import find_rule
 
 N, T, IN, HID = 3, 4, 3, 2
@@ -301,11 +302,35 @@ def test_float32_classifier_sums_to_grad():
 def test_weights_changed_after_forward_are_detected():
     torch.manual_seed(10)
     rnn = extend(nn.RNN(IN, HID, batch_first=True).to(DTYPE))
-    out, _ = rnn(_data(True))
+    out, h_n = rnn(_data(True))
     with torch.no_grad():
         rnn.weight_hh_l0.mul_(2)
+    # both outputs reach the loss, so the rule runs before autograd's own version check
     with pytest.raises(RuntimeError, match="did not reproduce"), backpack(BatchGrad()):
-        out.sum().backward()
+        (out.sum() + h_n.sum()).backward()
+
+
+def test_lstm_records_die_with_their_graph_without_garbage_collection():
+    """Multi-output calls hold no reference cycle: a dropped forward is not a second use."""
+    gc.disable()
+    try:
+        torch.manual_seed(12)
+        lstm = extend(nn.LSTM(IN, HID, batch_first=True).to(DTYPE))
+        x = _data(True)
+        out, (h_n, c_n) = lstm(x)
+        assert len(live_records(lstm)) == 1
+        del out, h_n, c_n
+        assert live_records(lstm) == []
+        out, _ = lstm(x)
+        with backpack(BatchGrad(), BatchL2Grad()):
+            out[:, -1].sum().backward()  # h_n and c_n unused: processed at the end of the pass
+        for p in lstm.parameters():
+            assert torch.allclose(p.grad_batch.sum(0), p.grad)
+            assert torch.allclose(p.batch_l2, p.grad_batch.flatten(1).square().sum(1))
+        del out
+        assert live_records(lstm) == []
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize(
