@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -41,6 +42,15 @@ def _unsupported_warning(ext: BackpropExtension, module: nn.Module) -> str:
         f"Extension saving to {ext.savefield} does not have an extension for "
         f"Module {module.__class__} although the module has parameters"
     )
+
+
+def _trainable_params(module: nn.Module) -> dict[str, Tensor]:
+    """The module's own parameters that require grad (its `_parameters`, read directly: fast)."""
+    params = {}
+    for name, p in module._parameters.items():
+        if p is not None and p.requires_grad and all(p is not q for q in params.values()):
+            params[name] = p
+    return params
 
 
 def _mixing_message(module: nn.Module) -> str:
@@ -121,10 +131,19 @@ class _Quantities:
         return {k: (sgs[k] / self.n - (gsum[k] / self.n).square()).clamp_min(0) for k in sgs}
 
 
+_PROBES: dict[tuple[int, torch.device], Tensor] = {}
+
+
 def _probe_index(param: Tensor) -> Tensor:
     """A few fixed flat positions of a parameter (no random numbers: the user's RNG is theirs)."""
-    numel = param.numel()
-    return torch.linspace(0, numel - 1, min(numel, 8), device=param.device).long()
+    key = (param.numel(), param.device)
+    index = _PROBES.get(key)
+    if index is None:
+        numel = key[0]
+        index = torch.linspace(0, numel - 1, min(numel, 8), device=param.device).long()
+        if len(_PROBES) < 4096:
+            _PROBES[key] = index
+    return index
 
 
 class _Coverage:
@@ -136,17 +155,34 @@ class _Coverage:
     """
 
     def __init__(self, param: Tensor, name: str, module: nn.Module) -> None:
+        self.param = param
         self.index = _probe_index(param)
         self.total: Tensor | None = None
         self.label = f"{name} of {module.__class__.__name__}"
         self.handle: Any = None
+        #: variances waiting for the call's gradient sum: (savefield, Σ g², N, fallback)
+        self.pending: list[tuple[str, Tensor, int, Callable[[], Tensor]]] = []
 
     def add(self, part: Tensor) -> None:
         self.total = part if self.total is None else self.total + part
 
-    def check(self, grad: Tensor, fields: list[str]) -> None:
+    def on_grad(self, grad: Tensor, fields: list[str]) -> None:
+        """Parameter hook: check coverage, then finish pending variances with `grad`."""
+        covered = self.check(grad, fields)
+        self.finish(grad.detach() if covered else None)
+
+    def finish(self, grad_sum: Tensor | None) -> None:
+        """Store pending variances, from `grad_sum` or (if None) from their fallback."""
+        pending, self.pending = self.pending, []
+        with torch.no_grad():
+            for field, sgs, n, fallback in pending:
+                mean = (fallback() if grad_sum is None else grad_sum) / n
+                setattr(self.param, field, (sgs / n - mean.square()).clamp_min(0))
+
+    def check(self, grad: Tensor, fields: list[str]) -> bool:
+        """Warn (and return False) if `grad` has more than the extended calls' contributions."""
         if self.total is None or grad.is_sparse or not grad.dtype.is_floating_point:
-            return
+            return False
         actual = grad.detach().flatten()[self.index].to(self.total.dtype)
         tol = {torch.float64: 1e-7, torch.float32: 1e-4}.get(self.total.dtype, 5e-2)
         scale = actual.abs().max().item() + self.total.abs().max().item()
@@ -159,6 +195,24 @@ class _Coverage:
                 UserWarning,
                 stacklevel=2,
             )
+            return False
+        return True
+
+
+def _snapshot(record: Record) -> Record:
+    """A private copy of a record's references (it survives `record.free()`, is never counted)."""
+    copy = Record.__new__(Record)
+    for slot in Record.__slots__:
+        if slot != "__weakref__":
+            setattr(copy, slot, getattr(record, slot))
+    copy.extra = {}
+    return copy
+
+
+def _grad_sum_of(rule: ModuleRule, record: Record, grads: tuple, name: str) -> Tensor:
+    """One call's gradient w.r.t. parameter `name` (fused rule, else summed per-sample ones)."""
+    quantities = _Quantities(rule, record, grads, [name], rule.batch_size(record))
+    return quantities.get("grad_sum")[name]
 
 
 class _Accumulator:
@@ -288,6 +342,7 @@ class Engine:
         self._partial = {}
         self.loss_seen = False
         for coverage in self._coverage.values():
+            coverage.pending = []
             if coverage.handle is not None:
                 coverage.handle.remove()
         self._coverage = {}
@@ -298,6 +353,9 @@ class Engine:
             # multi-output calls some of whose outputs the loss does not use
             for record, grads, _ in list(self._partial.values()):
                 self._process(record, tuple(grads))
+            # parameters whose gradient hook did not run (autograd.grad without them as inputs)
+            for coverage in self._coverage.values():
+                coverage.finish(None)
             for acc in list(self._accumulators.values()):
                 self._finalize_accumulator(acc)
             for acc in list(self._second_acc.values()):
@@ -358,6 +416,9 @@ class Engine:
                 secondorder.on_loss_backward(self, record, grads)
             self._after_module(module, record)
             return
+        if not self.extensions:
+            self._after_module(module, record)
+            return
         deferred = self._run_first_order(record, grads)
         if self.second_order:
             if find_activation_rule(module) is not None:
@@ -391,7 +452,7 @@ class Engine:
 
     def _first_order_quantities(self, record: Record, grads: tuple[Tensor | None, ...]) -> bool:
         module = record.module
-        params = {name: p for name, p in module.named_parameters(recurse=False) if p.requires_grad}
+        params = _trainable_params(module)
         if not params:
             return False
         builtin = []
@@ -424,14 +485,25 @@ class Engine:
         if direct:
             with torch.no_grad():
                 quantities = _Quantities(rule, record, grads, direct, batch_size)
+                variances = [e for e in builtin if e.quantity == "variance"]
                 for ext in builtin:
+                    if ext.quantity == "variance":
+                        continue
                     values = quantities.get(ext.quantity, ext.get_subsampling())
                     for name in direct:
                         setattr(params[name], ext.savefield, values[name])
+                sgs = quantities.get("sum_grad_squared") if variances else {}
+                # what the fallback needs after the record is freed
+                snapshot = _snapshot(record) if variances else record
                 psg = quantities._psg
                 for name in direct:
                     part = None if psg is None else psg[name]
-                    self._cover(record, grads, rule, name, params[name], part)
+                    coverage = self._cover(record, grads, rule, name, params[name], part)
+                    for ext in variances:
+                        # the call's gradient sum is the parameter's gradient, which autograd
+                        # computes anyway: the variance is finished in the parameter's hook
+                        fallback = partial(_grad_sum_of, rule, snapshot, grads, name)
+                        coverage.pending.append((ext.savefield, sgs[name], batch_size, fallback))
         for name in shared:
             p = params[name]
             acc = self._accumulators.get(p)
@@ -450,7 +522,7 @@ class Engine:
     def _run_second_order(self, record: Record, grads: tuple[Tensor | None, ...]) -> bool:
         """Second-order quantities of one call; True if some wait for other uses."""
         module = record.module
-        params = {name: p for name, p in module.named_parameters(recurse=False) if p.requires_grad}
+        params = _trainable_params(module)
         if not params:
             return False
         exts = self.second_order
@@ -539,23 +611,23 @@ class Engine:
         name: str,
         param: Tensor,
         psg: Tensor | None,
-    ) -> None:
+    ) -> _Coverage:
         """Add this call's gradient at the probe entries of `param` (once per call).
 
         `psg` are this call's per-sample gradients if they were materialised anyway; only the
         probed entries are read from them (or computed by the rule otherwise).
         """
         key = (id(record), id(param))
-        if key in self._covered:
-            return
-        self._covered.add(key)
         coverage = self._coverage.get(id(param))
+        if key in self._covered:
+            return coverage
+        self._covered.add(key)
         if coverage is None:
             coverage = self._coverage[id(param)] = _Coverage(param, name, record.module)
             fields = [e.savefield for e in self.extensions]
 
             def hook(grad: Tensor, coverage: _Coverage = coverage) -> None:
-                coverage.check(grad, fields)
+                coverage.on_grad(grad, fields)
 
             coverage.handle = param.register_hook(hook)
         if psg is not None:
@@ -563,6 +635,7 @@ class Engine:
         else:
             part = rule.grad_sum_entries(record, grads, name, coverage.index)
         coverage.add(part)
+        return coverage
 
     def _finalize_accumulator(self, acc: _Accumulator) -> None:
         self._accumulators.pop(acc.param, None)

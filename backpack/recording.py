@@ -153,7 +153,7 @@ def param_owners(param: Tensor) -> list[nn.Module]:
 
 def _register_owners(module: nn.Module, params: dict[str, Any]) -> None:
     """Remember that `module` uses its parameters (skipped when nothing changed since last time)."""
-    ids = tuple(id(p) for p in params.values() if p is not None)
+    ids = tuple(map(id, params.values()))
     if module.__dict__.get("_backpack_owner_ids") == ids:
         return
     for param in params.values():
@@ -203,16 +203,21 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
         if not out_tensors:
             return
         out_requires_grad = tuple(t.requires_grad for t in all_out)
-    disabled = CTX.recording_disabled
+    disabled = CTX.disabled_depth > 0
     if disabled:
         record = Record(module, (), {}, (), None, disabled=True)
     else:
+        if isinstance(output, Tensor):
+            structure = output.detach()
+            outs: tuple[Tensor, ...] = (structure,)
+        else:
+            structure, outs = _detach(output), tuple(t.detach() for t in out_tensors)
         record = Record(
             module,
             tuple(a.detach() if isinstance(a, Tensor) else _detach(a) for a in args),
             {k: _detach(v) for k, v in kwargs.items()} if kwargs else {},
-            tuple(t.detach() for t in out_tensors),
-            output.detach() if isinstance(output, Tensor) else _detach(output),
+            outs,
+            structure,
         )
         inplace = False
         edges = []
@@ -302,9 +307,19 @@ def _hook_output_nodes(record: Record, out_tensors: list[Tensor]) -> None:
 
 
 def _prune_node_records() -> None:
-    for key in [k for k, v in _NODE_RECORDS.items() if all(e[0]() is None for e in v)]:
+    # Entries are in creation order and graphs mostly die oldest first: drop dead entries from
+    # the front, and scan everything only when live ones block that.
+    dead = []
+    for key, entries in _NODE_RECORDS.items():
+        if any(e[0]() is not None for e in entries):
+            break
+        dead.append(key)
+    for key in dead:
         del _NODE_RECORDS[key]
-    _NODE_RECORDS_PRUNE_AT[0] = max(1024, 2 * len(_NODE_RECORDS))
+    if len(_NODE_RECORDS) > _NODE_RECORDS_PRUNE_AT[0] // 2:
+        for key in [k for k, v in _NODE_RECORDS.items() if all(e[0]() is None for e in v)]:
+            del _NODE_RECORDS[key]
+        _NODE_RECORDS_PRUNE_AT[0] = max(1024, 2 * len(_NODE_RECORDS))
 
 
 def records_at(node: Any) -> list[tuple[Record, int, int]]:

@@ -264,6 +264,33 @@ def test_grad_bit_identical_with_and_without_extension(quantity):
     assert_quantity(model, quantity, reference(plain, x, y))
 
 
+@pytest.mark.parametrize("quantity", list(FIRST_ORDER))
+def test_parameter_used_outside_extended_modules_warns_and_covers_extended_uses(quantity):
+    """A regulariser on a weight: warn; the quantities are those of the extended calls alone."""
+    model, plain = extended_pair()
+    x, y = batch(seed=3)
+    weight = model[0].weight
+    loss = nn.CrossEntropyLoss()(model(x), y) + 0.3 * weight.square().sum()
+    with pytest.warns(UserWarning, match="outside extended modules"), backpack(
+        FIRST_ORDER[quantity]()
+    ):
+        loss.backward()
+    assert_quantity(model, quantity, reference(plain, x, y))
+
+
+def test_variance_without_parameter_gradients():
+    """autograd.grad w.r.t. the input only: parameter hooks never run, Variance is still set."""
+    model, plain = extended_pair()
+    x, y = batch(seed=4)
+    x.requires_grad_(True)
+    loss = nn.CrossEntropyLoss()(model(x), y)
+    with backpack(Variance(), SumGradSquared()):
+        (grad_x,) = torch.autograd.grad(loss, [x])
+    assert grad_x.shape == x.shape
+    assert_quantity(model, "variance", reference(plain, x.detach(), y))
+    assert_quantity(model, "sum_grad_squared", reference(plain, x.detach(), y))
+
+
 # --------------------------------------------------------------------------------------------
 # 3. forward outside the context
 # --------------------------------------------------------------------------------------------

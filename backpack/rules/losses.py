@@ -60,9 +60,14 @@ def register_loss_rule(*module_classes: type[nn.Module]):  # noqa: ANN201
     def decorator(rule_cls: type[LossRule]) -> type[LossRule]:
         for cls in module_classes:
             _LOSS_RULES[cls] = rule_cls()
+        _IS_LOSS.clear()
         return rule_cls
 
     return decorator
+
+
+#: class -> is_loss answer, cleared whenever a loss rule is registered
+_IS_LOSS: dict[type, bool] = {}
 
 
 def find_loss_rule(module: nn.Module) -> LossRule | None:
@@ -75,7 +80,14 @@ def find_loss_rule(module: nn.Module) -> LossRule | None:
 
 def is_loss(module: nn.Module) -> bool:
     """Whether `module` is a loss function (its output ends the graph backpack differentiates)."""
-    return isinstance(module, nn.modules.loss._Loss) or find_loss_rule(module) is not None
+    cls = type(module)
+    known = _IS_LOSS.get(cls)
+    if known is None:
+        known = _IS_LOSS[cls] = issubclass(cls, nn.modules.loss._Loss) or (
+            find_loss_rule(module) is not None
+        )
+    return known
+
 
 
 def _check_reduction(module: nn.Module, extension: str) -> None:
