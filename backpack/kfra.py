@@ -3,10 +3,11 @@
 Starting from the batch-summed loss Hessian Ḡ (dense `[D, D]` over one sample's output), each
 step backward through the chain of modules replaces Ḡ by the batch average of Jₙᵀ Ḡ Jₙ, where Jₙ
 is sample n's Jacobian of that step. A parametrized module takes Ḡ at its output as its output
-factor. The products Jₙᵀ Ḡ Jₙ are formed from a square root Ḡ = L Lᵀ propagated by one batched
-vector-Jacobian product per step, so any module autograd can differentiate works, but the model
-must be a chain (no branches) and every intermediate feature dimension must be small enough for a
-dense `[D, D]` matrix.
+factor. Linear layers (Jₙ = I ⊗ W for every sample: Wᵀ Ḡ W per position block) and elementwise
+modules (Jₙ = diag(φ'ₙ): Ḡ ∘ mean φ'ₙφ'ₙᵀ) use these closed forms. Any other step forms Jₙᵀ Ḡ Jₙ
+from a square root Ḡ = L Lᵀ propagated by one batched vector-Jacobian product, so any module
+autograd can differentiate works, but the model must be a chain (no branches) and every
+intermediate feature dimension must be small enough for a dense `[D, D]` matrix.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 
 from backpack.recording import Record, live_records, param_owners, records_at
 from backpack.rules import find_rule
+from backpack.rules.activations import elementwise_derivative
 from backpack.rules.base import ModuleRule
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -60,19 +62,60 @@ def _matrix_sqrt(mat: Tensor) -> Tensor:
     return (evecs[:, keep] * evals[keep].sqrt()).to(mat.dtype)
 
 
+class _Roots:
+    """The square root of the current Ḡ, computed at most once (store and sandwich share it)."""
+
+    def __init__(self) -> None:
+        self._of: Tensor | None = None
+        self._root: Tensor | None = None
+
+    def __call__(self, gbar: Tensor) -> Tensor:
+        if self._of is not gbar:
+            self._of, self._root = gbar, _matrix_sqrt(gbar)
+        return self._root
+
+
 def _sandwich(
-    engine: Engine, gbar: Tensor, src: GradientEdge, dst: GradientEdge, n: int, shape: tuple
+    engine: Engine,
+    gbar: Tensor,
+    src: GradientEdge,
+    dst: GradientEdge,
+    n: int,
+    shape: tuple,
+    roots: _Roots | None = None,
 ) -> Tensor:
     """(1/N) Σₙ Jₙᵀ Ḡ Jₙ for the Jacobian from `dst` to `src` (both per-sample flattened)."""
     from backpack.secondorder import propagate
 
-    root = _matrix_sqrt(gbar)  # [D_out, r]
+    root = (roots or _matrix_sqrt)(gbar)  # [D_out, r]
     cot = root.T.reshape(root.shape[1], 1, *shape).expand(root.shape[1], n, *shape)
     (result,) = propagate(engine, src, [dst], cot.contiguous())
     if result is None:
         raise RuntimeError("KFRA: no gradient path between consecutive modules.")
     flat = result.reshape(result.shape[0], n, -1)
     return torch.einsum("rnd,rne->de", flat, flat) / n
+
+
+def _module_step(record: Record, gbar: Tensor, n: int) -> Tensor | None:
+    """(1/N) Σₙ Jₙᵀ Ḡ Jₙ through one module call in closed form, or None if there is none."""
+    module = record.module
+    if len(record.args) != 1 or record.kwargs:
+        return None
+    if type(module) is nn.Linear:
+        w = module.weight.detach()
+        out, inp = w.shape
+        t = gbar.shape[0] // out
+        if t == 1:
+            return w.T @ gbar @ w
+        g4 = gbar.reshape(t, out, t, out)
+        return torch.einsum("ai,tasb,bj->tisj", w, g4, w).reshape(t * inp, t * inp)
+    d1 = elementwise_derivative(record)
+    if d1 is None:
+        return None
+    phi = d1.reshape(n, -1)
+    if phi.shape[1] != gbar.shape[0]:
+        return None
+    return gbar * (phi.T @ phi) / n
 
 
 def _check_dim(shape: tuple[int, ...], where: str) -> None:
@@ -89,7 +132,8 @@ def _check_dim(shape: tuple[int, ...], where: str) -> None:
 def _plan(loss_record: Record) -> list[tuple]:
     """Walk the module chain from the loss without computing anything; check it is feasible.
 
-    Returns steps ("sandwich", src, dst, src_shape) and ("store", record, shape).
+    Returns steps ("sandwich", src, dst, src_shape) between modules, ("module", record, src, dst,
+    src_shape) through a module call and ("store", record, shape).
     """
     edge = loss_record.input_edges[0]
     shape = tuple(loss_record.args[0].shape[1:])
@@ -134,7 +178,7 @@ def _plan(loss_record: Record) -> list[tuple]:
             break
         in_shape = tuple(record.args[0].shape[1:])
         _check_dim(in_shape, f"input of {name}")
-        steps.append(("sandwich", out_edge, in_edge, shape))
+        steps.append(("module", record, out_edge, in_edge, shape))
         edge, shape = in_edge, in_shape
     return steps
 
@@ -145,20 +189,33 @@ def start_kfra(engine: Engine, loss_record: Record, sum_hessian: Tensor) -> None
     steps = _plan(loss_record)
     n = loss_record.args[0].shape[0]
     gbar = sum_hessian
+    roots = _Roots()
     results: list[tuple[Record, dict]] = []
     with torch.no_grad():
         for step in steps:
+            if step[0] == "module":
+                _, record, src, dst, shape = step
+                closed = _module_step(record, gbar, n)
+                if closed is None:
+                    closed = _sandwich(engine, gbar, src, dst, n, shape, roots)
+                gbar = closed
+                continue
             if step[0] == "sandwich":
                 _, src, dst, shape = step
-                gbar = _sandwich(engine, gbar, src, dst, n, shape)
+                gbar = _sandwich(engine, gbar, src, dst, n, shape, roots)
                 continue
             _, record, shape = step
             names = [
                 k for k, p in record.module.named_parameters(recurse=False) if p.requires_grad
             ]
-            root = _matrix_sqrt(gbar)
+            rule = find_rule(record.module)
+            dense = getattr(rule, "kron_factors_dense", None)
+            if dense is not None and type(record.module) is nn.Linear:
+                results.append((record, dense(record, gbar, names)))
+                continue
+            root = roots(gbar)
             factor = root.T.reshape(root.shape[1], 1, *shape)
-            results.append((record, find_rule(record.module).kron_factors(record, [factor], names)))
+            results.append((record, rule.kron_factors(record, [factor], names)))
     for record, kron in results:
         params = dict(record.module.named_parameters(recurse=False))
         for name, factors in kron.items():

@@ -16,6 +16,7 @@ nonlinearities first.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -23,9 +24,14 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 
+from backpack.context import CTX
 from backpack.recording import Record, records_at
 from backpack.rules import find_rule
-from backpack.rules.activations import find_activation_rule, is_curvature_free
+from backpack.rules.activations import (
+    elementwise_derivative,
+    find_activation_rule,
+    is_curvature_free,
+)
 from backpack.rules.base import ModuleRule
 from backpack.rules.generic import FuncRule
 from backpack.rules.losses import find_loss_rule
@@ -265,17 +271,239 @@ def on_loss_backward(engine: Engine, record: Record, grads: tuple[Tensor | None,
         start_kfra(engine, record, rule.sum_hessian(record) * scale_value)
 
 
+class DiagEntry:
+    """A diagonal curvature at one module output: Σ_{n,d} c[n, d] ∇y_nd ∇y_ndᵀ.
+
+    `index` is the output it sits at, `diag` (c) has that output's shape. This is an
+    activation's residual δ ⊙ φ'' when the module's output is the activation's input; rules with
+    `diag_from_residual` turn it into parameter diagonals directly, others get unit columns.
+    """
+
+    __slots__ = ("index", "diag")
+
+    def __init__(self, index: int, diag: Tensor) -> None:
+        self.index = index
+        self.diag = diag
+
+
+class OutputDiagEntry(DiagEntry):
+    """Only the diagonal `diag` of a dense output curvature that couples no two positions.
+
+    Valid for diagonals (never for matrix products) and only for rules whose
+    `accepts_output_diag` says their parameter diagonals read nothing else.
+    """
+
+
+class ChainEntry(DiagEntry):
+    """A diagonal curvature c at the end of a chain of recorded single-input modules.
+
+    The term is Σ_{n,d} c[n, d] ∇u_nd ∇u_ndᵀ with u = chain(y), y the module's output `index`.
+    Matrix products push tangents through the chain's Jacobians (recomputed from the recorded
+    inputs) instead of storing one propagated column per entry of c.
+    """
+
+    __slots__ = ("chain",)
+
+    def __init__(self, index: int, diag: Tensor, chain: list[Record]) -> None:
+        super().__init__(index, diag)
+        self.chain = [(r.module, r.args, r.kwargs) for r in chain]
+
+    def forward(self, tangents: Tensor) -> Tensor:
+        """Chain Jacobian times each slice of `tangents` (`[K, *y]` -> `[K, *u]`)."""
+        from torch.func import jvp, vmap
+
+        with torch.enable_grad(), CTX.internal():
+            for module, args, kwargs in self.chain:
+                f = _input_function(module, args, kwargs)
+                tangents = vmap(lambda t, f=f, a=args[0]: jvp(f, (a,), (t,))[1])(tangents)
+        return tangents
+
+    def backward(self, cotangents: Tensor) -> Tensor:
+        """Transposed chain Jacobian times each slice (`[K, *u]` -> `[K, *y]`)."""
+        from torch.func import vjp, vmap
+
+        with torch.enable_grad(), CTX.internal():
+            for module, args, kwargs in reversed(self.chain):
+                _, pullback = vjp(_input_function(module, args, kwargs), args[0])
+                cotangents = vmap(lambda c, pb=pullback: pb(c)[0])(cotangents)
+        return cotangents
+
+
+class ReducedEntry:
+    """Parameter diagonals computed ahead of time: `values[per_sample][name]`."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: dict[bool, dict[str, Tensor]]) -> None:
+        self.values = values
+
+
+def _input_function(module: nn.Module, args: tuple, kwargs: dict) -> Callable[[Tensor], Tensor]:
+    def f(inp: Tensor) -> Tensor:
+        return module(inp, *args[1:], **kwargs)
+
+    return f
+
+
+#: bound on the entries of one chunk of propagated residual unit columns ([columns, N, D]);
+#: tests lower it to exercise the chunked path
+RESIDUAL_CHUNK_ELEMENTS = 2**24
+
+_RESIDUAL_MODES: dict[str, Callable[[Tensor], Tensor]] = {
+    "signed": lambda r: r,
+    "clip": lambda r: r.clamp_min(0),
+    "abs": lambda r: r.abs(),
+}
+
+
+def _record_at(edge: Any) -> tuple[Record, int] | None:
+    """The single recorded module call whose output is exactly `edge` (and its output index)."""
+    if edge is None or edge.node is None:
+        return None
+    found = [(r, i) for r, i, nr in records_at(edge.node) if nr == edge.output_nr]
+    return found[0] if len(found) == 1 else None
+
+
+def _single_input_edge(record: Record) -> Any:
+    """The edge of the first positional input if it is the call's only differentiable input."""
+    edges = record.input_edges
+    if record.inplace or not edges or edges[0] is None or any(e is not None for e in edges[1:]):
+        return None
+    if len(record.outputs) != 1 or not isinstance(record.args[0], Tensor):
+        return None
+    if any(isinstance(v, Tensor) and v.requires_grad for v in record.kwargs.values()):
+        return None
+    return edges[0]
+
+
+def _passable(record: Record) -> bool:
+    """Whether matrix products may re-run this call to apply its input Jacobian."""
+    module = record.module
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and (
+        module.training or not module.track_running_stats
+    ):
+        return False  # re-running would mix samples or update running statistics
+    if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0:
+        return False  # re-running would draw a new mask
+    return is_curvature_free(module) or find_activation_rule(module) is not None
+
+
+def _chain_targets(edge: Any) -> dict[int, tuple[Record, int, list[Record]]]:
+    """Parametrized calls reached from `edge` through a chain of single-input module calls.
+
+    Maps id(record) to (record, output index, chain of calls from its output to `edge`).
+    The producer of `edge` itself (empty chain) is left out.
+    """
+    found: dict[int, tuple[Record, int, list[Record]]] = {}
+    chain: list[Record] = []
+    while True:
+        at = _record_at(edge)
+        if at is None:
+            return found
+        record, index = at
+        if chain and _is_parametrized(record):
+            found[id(record)] = (record, index, list(chain))
+        edge = _single_input_edge(record)
+        if edge is None or not _passable(record) or record.module is None:
+            return found
+        chain.insert(0, record)
+
+
+def _diag_route(edge: Any, diags: dict[str, Tensor]) -> tuple[Record, int, dict] | None:
+    """The diagonal of the residual curvature at the nearest parametrized call upstream.
+
+    Exact route (no propagation): `edge` is the output of a layer whose rule has
+    `residual_input_diag` (Linear: (W∘W)ᵀ c per position), followed upstream by elementwise
+    modules (φ'² each) up to a parametrized call whose rule `accepts_output_diag`.
+    """
+    at = _record_at(edge)
+    if at is None:
+        return None
+    producer = at[0]
+    to_input = getattr(find_rule(producer.module), "residual_input_diag", None)
+    edge = _single_input_edge(producer)
+    if to_input is None or edge is None:
+        return None
+    diags = {mode: to_input(producer, d) for mode, d in diags.items()}
+    while True:
+        at = _record_at(edge)
+        if at is None:
+            return None
+        record, index = at
+        if _is_parametrized(record):
+            rule = find_rule(record.module)
+            accepts = getattr(rule, "accepts_output_diag", None)
+            if accepts is None or not hasattr(rule, "diag_from_residual"):
+                return None
+            if not accepts(record) or rule.mixes_samples(record):
+                return None
+            return record, index, diags
+        edge = _single_input_edge(record)
+        d1 = elementwise_derivative(record) if edge is not None else None
+        if d1 is None:
+            return None
+        d1 = d1.square()
+        diags = {mode: d * d1 for mode, d in diags.items()}
+
+
+def _add(record: Record, key: str, mode: str, entry: Any) -> None:
+    record.extra.setdefault(key, {}).setdefault(mode, []).append(entry)
+
+
+def _unit_chunks(
+    residual: Tensor, chunk_elements: int, per_column: int
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """Columns where the residual `[N, D]` is nonzero, in chunks: (column indices, units).
+
+    `units` is `[C, N, D]` with a one at [c, n, column c] for every sample n.
+    """
+    n, d = residual.shape
+    columns = residual.ne(0).any(0).nonzero().squeeze(1)
+    size = max(1, chunk_elements // max(1, n * per_column))
+    for start in range(0, columns.numel(), size):
+        cols = columns[start : start + size]
+        units = torch.zeros(cols.numel(), n, d, dtype=residual.dtype, device=residual.device)
+        units[torch.arange(cols.numel(), device=cols.device), :, cols] = 1
+        yield cols, units
+
+
+def _fallback_diag(
+    rule: ModuleRule, record: Record, entry: DiagEntry, names: list[str], per_sample: bool
+) -> dict[str, Tensor]:
+    """Parameter diagonals of a diagonal output curvature through unit columns, chunked."""
+    diag = entry.diag
+    flat = diag.reshape(diag.shape[0], -1)
+    total: dict[str, Tensor] = {}
+    for cols, units in _unit_chunks(flat, RESIDUAL_CHUNK_ELEMENTS, flat.shape[1]):
+        factors: list[Tensor | None] = [None] * len(record.outputs)
+        factors[entry.index] = units.reshape(-1, *diag.shape)
+        part = rule.diag_from_factor(record, factors, names, flat[:, cols].T, per_sample)
+        for name, value in part.items():
+            total[name] = value if name not in total else total[name] + value
+    if not total:
+        batch = rule.batch_size(record) if per_sample else None
+        return zero_like_params(record.module, names, batch)
+    return total
+
+
 def on_activation_backward(
     engine: Engine, record: Record, grads: tuple[Tensor | None, ...]
 ) -> None:
-    """Add the activation's residual curvature to the modules before it."""
-    modes = _needs_residual(engine.second_order)
+    """Add the activation's residual curvature to the modules before it.
+
+    With z the activation's input, the term is Σ r ∇z ∇zᵀ with r = δ ⊙ φ''(z) (modified for
+    PCHMP). The call producing z gets r itself (`DiagEntry`: closed-form diagonals, cheap
+    products). Further upstream, diagonals use the exact route of `_diag_route` where it applies
+    and matrix products a `ChainEntry`; everything else gets unit columns of z propagated by
+    autograd (in chunks; reduced at once when only diagonals need them).
+    """
+    exts = engine.second_order
+    modes = _needs_residual(exts)
     if not modes or not engine.loss_seen:
         return
     rule = find_activation_rule(record.module)
     if rule is None or grads[0] is None:
         return
-    z = record.args[0]
     d2 = rule.second_derivative(record)
     if d2 is None:
         return
@@ -285,40 +513,130 @@ def on_activation_backward(
             f"{record.module.__class__.__name__} ran in place, so the curvature extensions "
             "cannot reach its input. Use inplace=False."
         )
-    residual = (grads[0] * d2).reshape(z.shape[0], -1)  # [N, D]
-    columns = residual.ne(0).any(0).nonzero().squeeze(1)
-    if columns.numel() == 0:
+    residual = grads[0] * d2
+    if not residual.ne(0).any():
         return
     found = [(r, i, e) for r, i, e in graph_records(edge) if _is_parametrized(r)]
     if not found:
         return
-    n, d = residual.shape
-    selected = residual[:, columns].T  # [V, N]
-    for mode in modes:
-        if mode == "signed":
-            magnitude, coef = selected.abs(), selected.sign()
-        elif mode == "clip":
-            magnitude, coef = selected.clamp_min(0), None
+    diags = {mode: _RESIDUAL_MODES[mode](residual) for mode in modes}
+    diag_modes = {e.residual for e in exts if e.residual and e.output in ("diag", "batch_diag")}
+    mp_modes = {e.residual for e in exts if e.residual and e.output == "mp"}
+    others = []
+    for target, index, target_edge in found:
+        if target_edge.node is edge.node and target_edge.output_nr == edge.output_nr:
+            for mode in modes:
+                _add(target, "residuals", mode, DiagEntry(index, diags[mode]))
         else:
-            magnitude, coef = selected.abs(), None
-        unit = torch.zeros(columns.numel(), n, d, dtype=z.dtype, device=z.device)
-        unit.scatter_(2, columns.reshape(-1, 1, 1).expand(-1, n, 1), magnitude.sqrt().unsqueeze(2))
-        results = propagate(engine, edge, [e for _, _, e in found], unit.reshape(-1, *z.shape))
-        for (target, index, _), result in zip(found, results):
+            others.append((target, index, target_edge))
+    if not others:
+        return
+    route = _diag_route(edge, {m: diags[m] for m in diag_modes}) if diag_modes else None
+    chains = _chain_targets(edge) if mp_modes else {}
+    if route is not None:
+        target, index, route_diags = route
+        for mode in diag_modes:
+            _add(target, "residuals_diag", mode, OutputDiagEntry(index, route_diags[mode]))
+    for target, index, _ in others:
+        if id(target) in chains:
+            _, _, chain = chains[id(target)]
+            for mode in mp_modes:
+                _add(target, "residuals_mp", mode, ChainEntry(index, diags[mode], chain))
+    routed = {id(route[0])} if route is not None else set()
+    for_diag = [t for t in others if diag_modes and id(t[0]) not in routed]
+    for_mp = [t for t in others if mp_modes and id(t[0]) not in chains]
+    _propagate_residual(engine, edge, residual, diags, for_diag, diag_modes, for_mp, mp_modes)
+
+
+def _propagate_residual(
+    engine: Engine,
+    edge: GradientEdge,
+    residual: Tensor,
+    diags: dict[str, Tensor],
+    for_diag: list[tuple[Record, int, GradientEdge]],
+    diag_modes: set[str],
+    for_mp: list[tuple[Record, int, GradientEdge]],
+    mp_modes: set[str],
+) -> None:
+    """Unit columns of z propagated to the targets no closed form reaches.
+
+    The propagated column c at sample n is the row of sample n's Jacobian dz_c/dy, and the
+    residual enters as the coefficient r[n, c] (one propagation serves every residual mode).
+    Targets only diagonals need are reduced chunk by chunk; products keep the columns.
+    """
+    keep = {id(t[0]) for t in for_mp}
+    # a rule that mixes samples cannot be reduced ahead of the engine's own checks
+    reduce_now = [
+        t
+        for t in for_diag
+        if id(t[0]) not in keep and not (find_rule(t[0].module) or _GENERIC).mixes_samples(t[0])
+    ]
+    reduce_ids = {id(t[0]) for t in reduce_now}
+    targets = for_mp + [t for t in for_diag if id(t[0]) not in keep]
+    if not targets:
+        return
+    n = residual.shape[0]
+    flat = residual.reshape(n, -1)
+    flat_diags = {mode: d.reshape(n, -1) for mode, d in diags.items()}
+    widest = max([flat.shape[1]] + [math.prod(t[0].outputs[t[1]].shape[1:]) for t in targets])
+    per_sample_flags = {
+        mode: sorted({e.output == "batch_diag" for e in engine.second_order if e.residual == mode})
+        for mode in diag_modes
+    }
+    reduced: dict[int, dict[str, dict[bool, dict[str, Tensor]]]] = {}
+    kept: dict[int, list[tuple[Tensor, Tensor]]] = {}
+    for cols, units in _unit_chunks(flat, RESIDUAL_CHUNK_ELEMENTS, widest):
+        cotangent = units.reshape(-1, *residual.shape)
+        results = propagate(engine, edge, [t[2] for t in targets], cotangent)
+        for (target, index, _), result in zip(targets, results):
             if result is None:
                 continue
-            entry_list = target.extra.setdefault("residuals", {}).setdefault(mode, [])
+            if id(target) not in reduce_ids:
+                kept.setdefault(id(target), []).append((cols, result))
+                continue
+            rule = find_rule(target.module) or _GENERIC
+            names = [k for k, p in target.module.named_parameters(recurse=False) if p.requires_grad]
             factors: list[Tensor | None] = [None] * len(target.outputs)
             factors[index] = result
-            entry_list.append(Entry(factors, coef))
+            for mode in diag_modes:
+                coef = flat_diags[mode][:, cols].T
+                slot = reduced.setdefault(id(target), {}).setdefault(mode, {})
+                for per_sample in per_sample_flags[mode]:
+                    part = rule.diag_from_factor(target, factors, names, coef, per_sample)
+                    acc = slot.setdefault(per_sample, {})
+                    for name, value in part.items():
+                        acc[name] = value if name not in acc else acc[name] + value
+    for target, index, _ in targets:
+        if id(target) in reduced:
+            for mode, values in reduced[id(target)].items():
+                _add(target, "residuals_diag", mode, ReducedEntry(values))
+            continue
+        pieces = kept.get(id(target))
+        if not pieces:
+            continue
+        cols = torch.cat([c for c, _ in pieces])
+        factors = [None] * len(target.outputs)
+        factors[index] = torch.cat([r for _, r in pieces])
+        in_mp = id(target) in keep
+        in_diag = id(target) in {id(t[0]) for t in for_diag}
+        for mode in diag_modes | mp_modes:
+            want_mp, want_diag = in_mp and mode in mp_modes, in_diag and mode in diag_modes
+            if not (want_mp or want_diag):
+                continue
+            key = "residuals_mp" if not want_diag else "residuals_diag"
+            if want_mp and want_diag:
+                key = "residuals"
+            _add(target, key, mode, Entry(list(factors), flat_diags[mode][:, cols].T))
 
 
 def entries_for(record: Record, ext: SecondOrderBackpropExtension) -> list[Entry]:
     """The curvature terms of `record` that `ext` sums: the GGN factor and its residuals."""
     factors = record.extra.get("factors", {}).get(ext.factor_key)
-    entries = [] if factors is None else [Entry(factors)]
+    entries: list[Any] = [] if factors is None else [Entry(factors)]
     if ext.residual is not None:
         entries.extend(record.extra.get("residuals", {}).get(ext.residual, []))
+        extra = "residuals_mp" if ext.output == "mp" else "residuals_diag"
+        entries.extend(record.extra.get(extra, {}).get(ext.residual, []))
     return entries
 
 
@@ -329,12 +647,40 @@ def reduce_entries(
     per_sample: bool,
     rule: ModuleRule,
 ) -> dict[str, Tensor]:
-    """Σ_entries Σ_v coef (Jᵀ f)², summed over samples unless `per_sample`."""
+    """Σ_entries Σ_v coef (Jᵀ f)², summed over samples unless `per_sample`.
+
+    Where the rule can express a term by a diagonal at the output (`factor_output_diag`,
+    `DiagEntry`), those diagonals are summed first and turned into parameter diagonals once.
+    """
     total: dict[str, Tensor] = {}
-    for entry in entries:
-        part = rule.diag_from_factor(record, entry.factors, names, entry.coef, per_sample)
-        for name, value in part.items():
+    closed = getattr(rule, "diag_from_residual", None)
+    to_diag = getattr(rule, "factor_output_diag", None) if closed is not None else None
+    at_output: dict[int, Tensor] = {}
+
+    def add(parts: dict[str, Tensor]) -> None:
+        for name, value in parts.items():
             total[name] = value if name not in total else total[name] + value
+
+    for entry in entries:
+        if isinstance(entry, ReducedEntry):
+            add({k: v for k, v in entry.values[per_sample].items() if k in names})
+        elif isinstance(entry, ChainEntry):
+            raise RuntimeError("internal: a matrix-product entry reached a diagonal reduction")
+        elif isinstance(entry, DiagEntry):
+            if closed is None:
+                add(_fallback_diag(rule, record, entry, names, per_sample))
+            else:
+                i = entry.index
+                at_output[i] = entry.diag if i not in at_output else at_output[i] + entry.diag
+        else:
+            found = None if to_diag is None else to_diag(record, entry.factors, entry.coef)
+            if found is None:
+                add(rule.diag_from_factor(record, entry.factors, names, entry.coef, per_sample))
+            else:
+                i, c = found
+                at_output[i] = c if i not in at_output else at_output[i] + c
+    for index, diag in at_output.items():
+        add(closed(record, index, diag, names, per_sample))
     return total
 
 
@@ -343,7 +689,8 @@ def matrix_product(uses: list[tuple[Record, list[Entry]]], name: str) -> Callabl
 
     `uses` lists each call of the parameter's module(s) with the entries at its outputs; entries
     at the same position of each use's list belong to the same term (cross terms between uses
-    included).
+    included). Diagonal entries (`DiagEntry`, `ChainEntry`) apply J, the chain, c ⊙ ·, and the
+    transposes, per use.
     """
     snapshots = []
     for record, entries in uses:
@@ -360,6 +707,18 @@ def matrix_product(uses: list[tuple[Record, list[Entry]]], name: str) -> Callabl
         result = torch.zeros_like(mat)
         tangents = [jvp_outputs(m, a, kw, name, mat, rg) for m, a, kw, rg, _, _ in snapshots]
         for e in range(n_entries):
+            if isinstance(uses[0][1][e], DiagEntry):
+                for (module, args, kwargs, req, entries, _), outs in zip(snapshots, tangents):
+                    entry = entries[e]
+                    u = outs[entry.index]
+                    if isinstance(entry, ChainEntry):
+                        u = entry.backward(entry.forward(u) * entry.diag)
+                    else:
+                        u = u * entry.diag
+                    cots: list[Tensor | None] = [None] * len(outs)
+                    cots[entry.index] = u
+                    result = result + vjp_params(module, args, kwargs, name, cots, req)
+                continue
             # t[k, v, n] = Σ_uses <f_vn, J_use M_k>, contracting each sample's slice
             t = None
             for (_, _, _, _, entries, axes), outs in zip(snapshots, tangents):
@@ -391,6 +750,12 @@ def matrix_product(uses: list[tuple[Record, list[Entry]]], name: str) -> Callabl
     return product
 
 
-def zero_like_params(module: nn.Module, names: list[str]) -> dict[str, Tensor]:
-    """Zeros shaped like the named parameters (modules the loss does not depend on)."""
-    return {n: torch.zeros_like(getattr(module, n)) for n in names}
+def zero_like_params(
+    module: nn.Module, names: list[str], batch_size: int | None = None
+) -> dict[str, Tensor]:
+    """Zeros shaped like the named parameters (`[batch_size, *shape]` if given)."""
+    if batch_size is None:
+        return {n: torch.zeros_like(getattr(module, n)) for n in names}
+    return {
+        n: getattr(module, n).new_zeros(batch_size, *getattr(module, n).shape) for n in names
+    }

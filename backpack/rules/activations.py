@@ -3,6 +3,8 @@
 Only the exact-Hessian extensions (DiagHessian, HMP) and PCHMP need these: for the GGN family,
 autograd propagates through activations without any rule. `is_curvature_free` lists the modules
 whose output is linear (or piecewise linear) in their input, which add no residual term.
+`elementwise_derivative` gives φ'(z) of any elementwise module (with or without curvature); the
+closed-form shortcuts of the residual terms and of KFRA use it to pass through activations.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from backpack.context import CTX
 from backpack.custom_module.branching import ActiveIdentity, CatModule, SumModule
 from backpack.custom_module.pad import Pad
 from backpack.custom_module.permute import Permute
@@ -198,3 +201,54 @@ def find_activation_rule(module: nn.Module) -> ActivationRule | None:
 def is_curvature_free(module: nn.Module) -> bool:
     """Whether the module adds no second-derivative term w.r.t. its input."""
     return isinstance(module, _CURVATURE_FREE) or isinstance(module, tuple(_EXTRA_CURVATURE_FREE))
+
+
+#: piecewise linear modules that act on each entry separately (the activations in `_RULES` do too)
+_ELEMENTWISE_PIECEWISE_LINEAR: tuple[type[nn.Module], ...] = (
+    nn.ReLU,
+    nn.LeakyReLU,
+    nn.ReLU6,
+    nn.Hardtanh,
+    nn.Hardsigmoid,
+    nn.Threshold,
+    nn.Identity,
+)
+_DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
+
+
+def is_elementwise(module: nn.Module) -> bool:
+    """Whether the module maps each input entry to one output entry by a fixed scalar function.
+
+    Dropout counts only when it is the identity (eval mode or p = 0); in-place modules do not
+    count (their recorded input is overwritten).
+    """
+    if getattr(module, "inplace", False):
+        return False
+    if isinstance(module, _DROPOUT):
+        return not module.training or module.p == 0
+    if isinstance(module, _ELEMENTWISE_PIECEWISE_LINEAR):
+        return True
+    return find_activation_rule(module) is not None
+
+
+def elementwise_derivative(record: Record) -> Tensor | None:
+    """φ'(z) at the recorded input of an elementwise module (same shape), None for other modules.
+
+    Computed by autograd on the recorded input, so it is the derivative the backward pass uses
+    (also at kinks such as ReLU's zero).
+    """
+    module = record.module
+    if not is_elementwise(module) or len(record.args) != 1 or record.kwargs:
+        return None
+    z = record.args[0]
+    if not isinstance(z, Tensor) or not z.dtype.is_floating_point:
+        return None
+    if isinstance(module, (nn.Identity, *_DROPOUT)):
+        return torch.ones_like(z)
+    with torch.enable_grad(), CTX.internal():
+        leaf = z.detach().requires_grad_()
+        out = module(leaf)
+        if out.shape != z.shape:
+            return None
+        (d1,) = torch.autograd.grad(out, leaf, torch.ones_like(out))
+    return d1

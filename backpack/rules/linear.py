@@ -168,6 +168,87 @@ class LinearRule(ModuleRule):
             result["bias"] = b2.sum(0) if per_sample else b2.sum((0, 1))
         return result
 
+    def diag_from_residual(
+        self, record: Record, index: int, diag: Tensor, names: Names, per_sample: bool
+    ) -> dict[str, Tensor]:
+        """Parameter diagonals of the curvature Σ c[n, t, o] ∇y_nto ∇y_ntoᵀ at the output.
+
+        `diag` (c, shaped like the output) is a diagonal curvature at the output, e.g. an
+        activation's residual δ ⊙ φ'' right after this layer. Each term has a single nonzero
+        output entry, so no products between positions t arise: the weight gets
+        Σ_t c[n, t, o] x[n, t, i]², the bias Σ_t c[n, t, o]. The same numbers hold for a dense
+        output curvature that couples no two positions of a sample (`accepts_output_diag`).
+        """
+        x = _flat_input(record)
+        c = diag.reshape(x.shape[0], -1, diag.shape[-1])
+        result = {}
+        if "weight" in names:
+            x2 = x.square()
+            if x.shape[1] == 1:
+                c0, x0 = c[:, 0], x2[:, 0]
+                result["weight"] = c0.unsqueeze(2) * x0.unsqueeze(1) if per_sample else c0.T @ x0
+            else:
+                spec = "nto,nti->noi" if per_sample else "nto,nti->oi"
+                result["weight"] = torch.einsum(spec, c, x2)
+        if "bias" in names:
+            result["bias"] = c.sum(1) if per_sample else c.sum((0, 1))
+        return result
+
+    def factor_output_diag(
+        self, record: Record, factors: Sequence[Tensor | None], coef: Tensor | None
+    ) -> tuple[int, Tensor] | None:
+        """Output diagonal c with `diag_from_residual(c)` == `diag_from_factor(factors, coef)`.
+
+        For 2-D inputs c[n, o] = Σ_v coef[v, n] f[v, n, o]², so that all curvature terms of a
+        call can be summed at the output before one outer product with x². None with several
+        positions (the factor then couples positions).
+        """
+        if _flat_input(record).shape[1] != 1 or factors[0] is None:
+            return None
+        f2 = self._flat_factor(record, factors)[:, :, 0].square()
+        if coef is not None:
+            f2 = f2 * coef.unsqueeze(-1)
+        return 0, f2.sum(0).reshape(record.outputs[0].shape)
+
+    def accepts_output_diag(self, record: Record) -> bool:
+        """Whether `diag_from_residual` is exact for the diagonal of a dense output curvature.
+
+        True: with the output curvature of each sample block-diagonal over positions (any chain
+        of Linear layers and elementwise modules leading to an activation keeps positions apart),
+        the parameter diagonals only read its diagonal.
+        """
+        return True
+
+    def residual_input_diag(self, record: Record, diag: Tensor) -> Tensor:
+        """Diagonal of Jᵀ diag(c) J w.r.t. the input: (W∘W)ᵀ c at every position.
+
+        Exact for a diagonal output curvature c; the full input curvature is then
+        block-diagonal over positions (Wᵀ diag(c_nt) W), which later steps rely on.
+        """
+        w = record.module.weight.detach()
+        return (diag @ w.square()).reshape(record.args[0].shape)
+
+    def kron_factors_dense(
+        self, record: Record, gbar: Tensor, names: Names
+    ) -> dict[str, list[Tensor]]:
+        """Kronecker factors for a dense curvature `gbar` over one sample's flattened output.
+
+        Same numbers as `kron_factors` with a square root of `gbar` as factor: positions act as
+        samples, so G sums the diagonal blocks of `gbar` over positions.
+        """
+        x = _flat_input(record)
+        out = record.module.out_features
+        t = gbar.shape[0] // out
+        g = gbar.reshape(t, out, t, out).diagonal(dim1=0, dim2=2).sum(-1)
+        g = (g + g.T) / 2
+        result = {}
+        if "weight" in names:
+            a = torch.einsum("nti,ntj->ij", x, x) / (x.shape[0] * x.shape[1])
+            result["weight"] = [g, a]
+        if "bias" in names:
+            result["bias"] = [g]
+        return result
+
     def kron_factors(self, record, factors, names):  # noqa: D102
         # Sequence inputs [N, T, in] follow the "expand" convention: positions act as samples.
         x = _flat_input(record)
