@@ -209,9 +209,8 @@ def _snapshot(record: Record) -> Record:
     return copy
 
 
-def _grad_sum_of(rule: ModuleRule, record: Record, grads: tuple, name: str) -> Tensor:
+def _grad_sum_of(quantities: _Quantities, name: str) -> Tensor:
     """One call's gradient w.r.t. parameter `name` (fused rule, else summed per-sample ones)."""
-    quantities = _Quantities(rule, record, grads, [name], rule.batch_size(record))
     return quantities.get("grad_sum")[name]
 
 
@@ -493,8 +492,9 @@ class Engine:
                     for name in direct:
                         setattr(params[name], ext.savefield, values[name])
                 sgs = quantities.get("sum_grad_squared") if variances else {}
-                # what the fallback needs after the record is freed
-                snapshot = _snapshot(record) if variances else record
+                if variances:
+                    # the fallback below may run after the record is freed
+                    quantities.record = _snapshot(record)
                 psg = quantities._psg
                 for name in direct:
                     part = None if psg is None else psg[name]
@@ -502,7 +502,7 @@ class Engine:
                     for ext in variances:
                         # the call's gradient sum is the parameter's gradient, which autograd
                         # computes anyway: the variance is finished in the parameter's hook
-                        fallback = partial(_grad_sum_of, rule, snapshot, grads, name)
+                        fallback = partial(_grad_sum_of, quantities, name)
                         coverage.pending.append((ext.savefield, sgs[name], batch_size, fallback))
         for name in shared:
             p = params[name]
