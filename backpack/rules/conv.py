@@ -15,12 +15,21 @@ rule declines and the engine reduces the materialised per-sample gradients.
 Under `weight_jac_t_save_memory(True)` nothing of the full batch is unfolded: per-sample
 gradients come from torch's convolution weight backward batched with `vmap`, and reductions are
 computed in chunks of samples.
+
+Second order: square roots and (per-sample) diagonals need the weight gradient of every (factor
+column, sample) pair. They are computed in chunks of pairs, each chunk by ONE batched GEMM per
+sample and group with the columns stacked (`convnd.pair_weight_grads_unfold`, the input unfolded
+once per chunk of samples) or by ONE grouped weight backward (`convnd.pair_weight_grads_fold`, on
+large grids and when saving memory); diagonals square each chunk in place and sum it, so no
+`[V, N, *weight]` tensor exists. Kronecker factors are single matrix products over contiguous
+operands; the input factor's symmetric product only computes its block upper triangle.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +41,10 @@ from backpack.rules.base import GradOutputs, ModuleRule, Names, register_rule
 
 #: elements a chunk of samples may occupy in one intermediate (Gram matrices, gradients)
 _CHUNK_BUDGET = 1 << 24
+#: elements the (column, sample) weight gradients of one chunk and its copies of factor and
+#: unfolded input may occupy, per device type (`_CHUNK_BUDGET` elsewhere); small chunks stay in
+#: cache on CPU
+_PAIR_CHUNK = {"cpu": 1 << 21}
 
 _CONV_CLASSES = (
     nn.Conv1d,
@@ -195,43 +208,243 @@ class ConvRule(ModuleRule):
             result["bias"] = g.sum((0, *range(2, g.dim())))
         return result
 
+    def grad_sum_entries(
+        self, record: Record, grad_outputs: GradOutputs, name: str, index: Tensor
+    ) -> Tensor:
+        """A few entries of this call's gradient, each a dot product of two gathered slices.
+
+        Weight entry (o, i, k) of `ConvNd` is Σ_{n,l} d[n, o, l] u[n, (i, k), l]; only the
+        patches of the requested (channel, offset) pairs are gathered (a strided view of the
+        input), so no full weight backward runs.
+        """
+        module = record.module
+        x, g = _io(record, grad_outputs)
+        if name == "bias":
+            return g.sum((0, *range(2, g.dim())))[index]
+        shape = module.weight.shape
+        groups, dims = module.groups, convnd.spatial_dims(module)
+        coords = torch.unravel_index(index.to(x.device), tuple(shape))
+        if convnd.is_transposed(module):
+            # weight[i, o, k] = Σ_{n,q} x[n, i, q] v[n, (o, k), q]; v: patches of d
+            in_channel = coords[0]
+            out_channel = in_channel // (shape[0] // groups) * shape[1] + coords[1]
+            source, padding, grid = g, tuple(module.padding), x.shape[2:]
+            patched, dense = out_channel, x[:, in_channel]
+        else:
+            out_channel = coords[0]
+            in_channel = out_channel // (shape[0] // groups) * shape[1] + coords[1]
+            source, padding = convnd.pad_input(module, x)
+            grid = g.shape[2:]
+            patched, dense = in_channel, g[:, out_channel]
+        # only the E requested channels are (padded and) windowed: [N, E, *grid, *kernel]
+        windows = convnd.patches(
+            source[:, patched], module.kernel_size, module.stride, module.dilation, padding, grid
+        )
+        entries = torch.arange(index.numel(), device=x.device)
+        gathered = windows[(slice(None), entries, *([slice(None)] * dims), *coords[2:])]
+        return (gathered * dense.movedim(1, 0)).flatten(1).sum(1)
+
     # --- second order ---------------------------------------------------------------------
+    def sqrt_factor(self, record, factors, names, subsampling=None):  # noqa: D102
+        """`[V, N, *param.shape]`: every (column, sample) weight gradient, written chunk by chunk.
+
+        The input is unfolded (or folded into one grouped weight backward) once per chunk of
+        samples; each chunk's pair gradients go straight into their slice of the result.
+        """
+        module = record.module
+        x, f = _input_and_factor(record, factors)
+        if f is None:
+            return super().sqrt_factor(record, factors, names, subsampling)
+        if subsampling is not None:
+            index = torch.as_tensor(list(subsampling), device=x.device)
+            x, f = x.index_select(0, index), f.index_select(1, index)
+        v, n = f.shape[0], f.shape[1]
+        result = {}
+        if "weight" in names:
+            shape = module.weight.shape
+            split = (module.groups, shape[0] // module.groups, *shape[1:])
+            out = f.new_empty(v, n, *shape)
+            for ns, vs, pairs in _pair_grads(module, x, f):
+                out[vs, ns].view(pairs.shape[1], pairs.shape[0], *split).copy_(
+                    pairs.transpose(0, 1)
+                )
+            result["weight"] = out
+        if "bias" in names:
+            result["bias"] = f.sum(tuple(range(3, f.dim())))
+        return result
+
+    def diag_from_factor(self, record, factors, names, coef, per_sample):  # noqa: D102
+        """Σ_v coef (Jᵀ f_vn)², squared in place and summed chunk by chunk.
+
+        Only one chunk of (column, sample) weight gradients exists at a time; `[V, N, *weight]`
+        is never formed.
+        """
+        module = record.module
+        x, f = _input_and_factor(record, factors)
+        n = x.shape[0]
+        if f is None:
+            zeros = {k: torch.zeros_like(getattr(module, k)) for k in names}
+            if per_sample:
+                return {k: z.expand(n, *z.shape).clone() for k, z in zeros.items()}
+            return zeros
+        result = {}
+        if "weight" in names:
+            shape = module.weight.shape
+            total = f.new_empty(n, *shape) if per_sample else None
+            for ns, vs, pairs in _pair_grads(module, x, f):
+                sq = pairs.square_()
+                if coef is not None:
+                    weights = coef[vs, ns].T
+                    sq.mul_(weights.reshape(*weights.shape, *([1] * (sq.dim() - 2))))
+                if per_sample:
+                    # the first chunk of columns writes the samples' slice, later ones add
+                    target = total[ns].view(sq.shape[0], *sq.shape[2:])
+                    if vs.start == 0:
+                        torch.sum(sq, 1, out=target)
+                    else:
+                        target += sq.sum(1)
+                else:
+                    part = sq.sum((0, 1)).reshape(shape)
+                    total = part if total is None else total.add_(part)
+            result["weight"] = total if total is not None else f.new_zeros(shape)
+        if "bias" in names:
+            b2 = f.sum(tuple(range(3, f.dim()))).square()
+            if coef is not None:
+                b2 = b2 * coef.unsqueeze(-1)
+            result["bias"] = b2.sum(0) if per_sample else b2.sum((0, 1))
+        return result
+
     def kron_factors(self, record, factors, names):  # noqa: D102
         """`[G, A]` for the weight (`weight.transpose(0, 1)` for transposed convs), `[G]` bias.
 
         G = Σ_{v,n} (Σ_l s_vnl)(Σ_l s_vnl)ᵀ sums the factor over output positions first (so it
         equals the bias's curvature block); A is the batch mean of the unfolded input's outer
         products summed over positions. For grouped convolutions A averages the groups' input
-        factors, which share the weight's `[in_channels / groups * K]` axis.
+        factors, which share the weight's `[in_channels / groups * K]` axis. Both are single
+        matrix products over contiguous operands (per chunk of samples for A).
         """
         module = record.module
-        x = _input(record)
-        if _is_unbatched(module, x):
-            x = x.unsqueeze(0)
-        f = factors[0]
-        s = f.reshape(f.shape[0], f.shape[1], f.shape[2], -1).sum(-1)  # [V, N, C_out]
-        g = torch.einsum("vnc,vnd->cd", s, s)
+        x, f = _input_and_factor(record, factors)
+        out = record.outputs[0]
+        grid = out.shape[out.dim() - convnd.spatial_dims(module) :]
+        if f is None:  # the output does not reach the loss
+            c_out = out.shape[out.dim() - convnd.spatial_dims(module) - 1]
+            g = x.new_zeros(c_out, c_out)
+        else:
+            s = f.reshape(f.shape[0] * f.shape[1], f.shape[2], -1).sum(-1)  # [V N, C_out]
+            g = s.T @ s
         result: dict[str, list[Tensor]] = {}
         if "weight" in names:
-            n, groups = x.shape[0], module.groups
-            if convnd.is_transposed(module):
-                if groups != 1:
-                    raise NotImplementedError(
-                        f"Kronecker factors are not defined for grouped transposed convolutions "
-                        f"({module}): the groups share no common input factor."
-                    )
-                u = _transposed_unfold(module, x, f.shape[3:])
-            else:
-                xp, padding = convnd.pad_input(module, x)
-                u = convnd.unfold(
-                    xp, module.kernel_size, module.stride, module.dilation, padding, f.shape[3:]
-                )
-            u = u.reshape(n, groups, -1, u.shape[-1])
-            a = torch.einsum("ngkl,ngjl->kj", u, u) / (n * groups)
-            result["weight"] = [g, a]
+            result["weight"] = [g, _input_kron_factor(module, x, grid)]
         if "bias" in names:
             result["bias"] = [g]
         return result
+
+
+def _input_and_factor(record: Record, factors: Sequence[Tensor | None]) -> tuple[Tensor, Any]:
+    """Input `[N, C_in, *in]` and factor `[V, N, C_out, *out]` (unbatched calls: N = 1)."""
+    x, f = _input(record), factors[0]
+    if _is_unbatched(record.module, x):
+        x = x.unsqueeze(0)
+        f = None if f is None else f.unsqueeze(1)
+    return x, f
+
+
+def _pair_sizes(module: nn.Module, x: Tensor, f: Tensor, fold: bool) -> tuple[int, int]:
+    """Elements of the intermediates of one (column, sample) pair and of one sample's input."""
+    per_pair = module.weight.numel() + f[0, 0].numel()
+    if fold:
+        return per_pair, 0
+    if convnd.is_transposed(module):
+        # the unfolded factor column and its reordered copy
+        unfolded = f.shape[2] * math.prod(module.kernel_size) * math.prod(x.shape[2:])
+        return per_pair + 2 * unfolded, 0
+    # the padded input and its unfolded copy
+    return per_pair, 2 * convnd.unfolded_elements_per_sample(module, x, f[0])
+
+
+def _pair_grads(module: nn.Module, x: Tensor, f: Tensor) -> Iterator[tuple[slice, slice, Tensor]]:
+    """Chunks `(samples, columns, [n, v, G, ...] weight gradients)` covering all pairs.
+
+    Chunk sizes keep the pair gradients and the per-chunk copies of factor and unfolded input
+    within `_PAIR_CHUNK` elements (small chunks stay in cache on CPU). The unfolding path unfolds
+    each chunk of samples once and reuses it for all chunks of columns.
+    """
+    v, n = f.shape[0], f.shape[1]
+    fold = convnd.prefer_fold(module, x, f.shape[3:])
+    per_pair, per_sample = _pair_sizes(module, x, f, fold)
+    budget = _PAIR_CHUNK.get(x.device.type, _CHUNK_BUDGET)
+    if v * per_pair + per_sample <= budget:
+        n_step, v_step = max(1, budget // (v * per_pair + per_sample)), v
+    else:
+        n_step, v_step = 1, max(1, (budget - per_sample) // per_pair)
+    for start in range(0, n, n_step):
+        ns = slice(start, min(n, start + n_step))
+        xs = x[ns]
+        shared = None if fold else convnd.pair_operand(module, xs, f.shape[3:])
+        for v_start in range(0, v, v_step):
+            vs = slice(v_start, min(v, v_start + v_step))
+            fs = f[vs, ns]
+            if fold:
+                yield ns, vs, convnd.pair_weight_grads_fold(module, xs, fs)
+            else:
+                yield ns, vs, convnd.pair_weight_grads_unfold(module, xs, fs, shared)
+
+
+def _input_kron_factor(module: nn.Module, x: Tensor, out_size: Sequence[int]) -> Tensor:
+    """Batch mean of Σ_l u_l u_lᵀ over unfolded inputs (groups averaged), chunked over samples."""
+    n, groups = x.shape[0], module.groups
+    if convnd.is_transposed(module):
+        if groups != 1:
+            raise NotImplementedError(
+                f"Kronecker factors are not defined for grouped transposed convolutions "
+                f"({module}): the groups share no common input factor."
+            )
+        u = _transposed_unfold(module, x, out_size)  # [N, K', L]
+        flat = u.transpose(0, 1).reshape(u.shape[1], -1)
+        return (flat @ flat.T) / n
+    size = convnd.unfolded_elements_per_sample(module, x, x.new_empty(1, 1, *out_size))
+    step = max(1, _PAIR_CHUNK.get(x.device.type, _CHUNK_BUDGET) // max(1, size))
+    a = None
+    for start in range(0, n, step):
+        u = convnd.unfold_channels_first(module, x[start : start + step], out_size)
+        u = u.reshape(groups, u.shape[0] // groups, -1)  # [G, K', n L]
+        a = _add_upper_gram(u, a)
+    return _symmetrize_upper(a.sum(0) if groups > 1 else a[0]) / (n * groups)
+
+
+#: row blocks of the block-triangular Gram product (FLOPs (1 + 1/B) / 2 of the full product)
+_GRAM_BLOCKS = 4
+#: Gram matrices smaller than this are computed as one full product
+_GRAM_MIN_ROWS = 128
+
+
+def _add_upper_gram(u: Tensor, acc: Tensor | None) -> Tensor:
+    """Add the block upper triangle (diagonal blocks included) of `u uᵀ` to `acc`.
+
+    `u` is `[G, K, M]`; only the blocks on and right of the diagonal of the `[G, K, K]` result
+    are written (the rest stays zero), so the product costs about half of `u @ uᵀ`.
+    """
+    groups, k = u.shape[0], u.shape[1]
+    if acc is None:
+        acc = u.new_zeros(groups, k, k)
+    if k < _GRAM_MIN_ROWS:
+        return acc.baddbmm_(u, u.transpose(1, 2))
+    bounds = [k * i // _GRAM_BLOCKS for i in range(_GRAM_BLOCKS + 1)]
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        acc[:, lo:hi, lo:].baddbmm_(u[:, lo:hi], u[:, lo:].transpose(1, 2))
+    return acc
+
+
+def _symmetrize_upper(a: Tensor) -> Tensor:
+    """Complete a `[K, K]` matrix whose block upper triangle holds a symmetric matrix."""
+    k = a.shape[0]
+    if k < _GRAM_MIN_ROWS:
+        return a
+    bounds = [k * i // _GRAM_BLOCKS for i in range(_GRAM_BLOCKS + 1)]
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        a[hi:, lo:hi] = a[lo:hi, hi:].T
+    return a
 
 
 def _transposed_unfold(module: nn.Module, x: Tensor, out_size: Sequence[int]) -> Tensor:

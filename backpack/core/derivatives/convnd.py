@@ -16,6 +16,14 @@ faster of the two is picked per call: on CPU the vmap path for ungrouped layers 
 (small chunks stay in cache; measured 1.5-2.5x faster than unfolding the whole batch at once).
 `weight_jac_t_save_memory` makes the rules always use the vmap path and reduce per-sample
 quantities in chunks of samples.
+
+Second-order quantities need one weight gradient per (factor column v, sample n) pair, with the
+factor column in place of the output gradient. Both algorithms extend to pairs without repeating
+work per column: unfolding (`pair_weight_grads_unfold`) unfolds each sample's input once and stacks
+the V columns into the rows of one GEMM per sample and group; folding (`pair_weight_grads_fold`)
+stacks the V columns as extra output channels and the samples as extra groups of ONE call of
+torch's convolution weight backward. Both return `[n, V, G, *weight.shape]`-shaped views with the
+weight's first axis split into (G, weight.shape[0] / G).
 """
 
 from __future__ import annotations
@@ -46,6 +54,13 @@ __all__ = [
     "per_sample_weight_grads",
     "per_sample_bias_grads",
     "weight_grad_sum",
+    "unfold_input",
+    "unfold_channels_first",
+    "patches",
+    "pair_operand",
+    "pair_weight_grads_unfold",
+    "pair_weight_grads_fold",
+    "prefer_fold",
 ]
 
 #: read by the convolution rules: prefer algorithms that never unfold the input
@@ -143,6 +158,22 @@ def unfold(
     output grid). `padding` zeros are added on both sides; `out_size` truncates the output grid.
     """
     dims = len(kernel_size)
+    x = patches(x, kernel_size, stride, dilation, padding, out_size)  # [N, C, *out, *kernel]
+    perm = [0, 1, *range(2 + dims, 2 + 2 * dims), *range(2, 2 + dims)]
+    x = x.permute(perm)
+    return x.reshape(x.shape[0], x.shape[1] * math.prod(kernel_size), -1)
+
+
+def patches(
+    x: Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    dilation: Sequence[int],
+    padding: Sequence[int],
+    out_size: Sequence[int] | None,
+) -> Tensor:
+    """Strided view `[N, C, *out, *kernel]` of the patches of `x` (after zero `padding`)."""
+    dims = len(kernel_size)
     if any(padding):
         x = F.pad(x, [p for p in reversed(padding) for _ in range(2)])
     for i in range(dims):
@@ -150,10 +181,20 @@ def unfold(
     index: list[slice] = [slice(None)] * 2
     index += [slice(0, s) for s in out_size] if out_size is not None else [slice(None)] * dims
     index += [slice(None, None, d) for d in dilation]
-    x = x[tuple(index)]  # [N, C, *out, *kernel]
-    perm = [0, 1, *range(2 + dims, 2 + 2 * dims), *range(2, 2 + dims)]
-    x = x.permute(perm)
-    return x.reshape(x.shape[0], x.shape[1] * math.prod(kernel_size), -1)
+    return x[tuple(index)]
+
+
+def unfold_channels_first(module: nn.Module, x: Tensor, out_size: Sequence[int]) -> Tensor:
+    """Unfolded padded input of a `ConvNd` call as `[C_in * K, N * L]`, in one copy.
+
+    Row `c * K + k` as in `unfold`; column `n * L + l`. This is the layout in which the sum over
+    samples and positions of the patches' outer products is a single matrix product.
+    """
+    xp, padding = pad_input(module, x)
+    dims = spatial_dims(module)
+    p = patches(xp, module.kernel_size, module.stride, module.dilation, padding, out_size)
+    p = p.permute(1, *range(2 + dims, 2 + 2 * dims), 0, *range(2, 2 + dims))
+    return p.reshape(x.shape[1] * math.prod(module.kernel_size), -1)
 
 
 def transpose_output_padding(module: nn.Module, x: Tensor, out_size: Sequence[int]) -> list[int]:
@@ -315,3 +356,123 @@ def weight_grad_sum(module: nn.Module, x: Tensor, grad_output: Tensor) -> Tensor
         module.groups,
         [False, True, False],
     )[1]
+
+
+# --- weight gradients of (factor column, sample) pairs -------------------------------------------
+def unfold_input(module: nn.Module, x: Tensor, out_size: Sequence[int]) -> Tensor:
+    """Unfolded padded input `[N, C_in * K, L]` of a `ConvNd` call with output grid `out_size`."""
+    xp, padding = pad_input(module, x)
+    return unfold(xp, module.kernel_size, module.stride, module.dilation, padding, out_size)
+
+
+def pair_operand(module: nn.Module, x: Tensor, out_size: Sequence[int]) -> Tensor:
+    """The factor that all columns of a sample share in `pair_weight_grads_unfold`.
+
+    `ConvNd`: the unfolded input `[N, G, C_in / G * K, L]`; `ConvTransposeNd`: the input
+    `[N, G, C_in / G, L_in]`.
+    """
+    n, groups = x.shape[0], module.groups
+    if is_transposed(module):
+        return x.reshape(n, groups, x.shape[1] // groups, -1)
+    u = unfold_input(module, x, out_size)
+    return u.reshape(n, groups, -1, u.shape[-1])
+
+
+def _pair_view(module: nn.Module, buf: Tensor, n: int, v: int) -> Tensor:
+    """View `[n, V, G, weight.shape[0] / G, *weight.shape[1:]]` of a `[n, G, V, s, t]` buffer.
+
+    `(s, t)` is `(C_out / G, C_in / G * K)` for `ConvNd` and `(C_out / G * K, C_in / G)` for
+    `ConvTransposeNd`, whose weight is `[C_in, C_out / G, *kernel]`.
+    """
+    groups, kernel = module.groups, tuple(module.kernel_size)
+    shape = module.weight.shape
+    if not is_transposed(module):
+        return buf.view(n, groups, v, shape[0] // groups, *shape[1:]).transpose(1, 2)
+    k = len(kernel)
+    full = buf.view(n, groups, v, shape[1], *kernel, shape[0] // groups)
+    return full.permute(0, 2, 1, 3 + 1 + k, 3, *range(4, 4 + k))
+
+
+def pair_weight_grads_unfold(
+    module: nn.Module, x: Tensor, factor: Tensor, shared: Tensor | None = None
+) -> Tensor:
+    """Weight gradients of all (column, sample) pairs by unfolding: `[n, V, G, ...]` view.
+
+    `factor` `[V, n, C_out, *out]` plays the output gradient; `shared` is `pair_operand` of these
+    samples (computed here if None), so callers chunking over columns unfold the input once.
+    Per sample and group this is ONE GEMM with the V columns stacked along its rows.
+    """
+    v, n, groups = factor.shape[0], factor.shape[1], module.groups
+    if shared is None:
+        shared = pair_operand(module, x, factor.shape[3:])
+    if is_transposed(module):
+        cols = unfold(
+            factor.reshape(v * n, *factor.shape[2:]),
+            module.kernel_size,
+            module.stride,
+            module.dilation,
+            module.padding,
+            out_size=x.shape[2:],
+        )  # [V n, C_out * K, L_in]
+        stacked = cols.reshape(v, n, groups, -1, cols.shape[-1])
+    else:
+        stacked = factor.reshape(v, n, groups, -1, shared.shape[-1])
+    s, positions = stacked.shape[3], stacked.shape[4]
+    stacked = stacked.permute(1, 2, 0, 3, 4).reshape(n * groups, v * s, positions)
+    buf = torch.bmm(stacked, shared.reshape(n * groups, -1, positions).transpose(1, 2))
+    return _pair_view(module, buf, n, v)
+
+
+def pair_weight_grads_fold(module: nn.Module, x: Tensor, factor: Tensor) -> Tensor:
+    """Weight gradients of all (column, sample) pairs by ONE convolution weight backward.
+
+    The V columns become extra output channels and the n samples extra groups, so torch's
+    weight backward of a single grouped convolution computes every pair; nothing is unfolded.
+    Returns the same `[n, V, G, ...]` view as `pair_weight_grads_unfold`.
+    """
+    v, n, c_out = factor.shape[0], factor.shape[1], factor.shape[2]
+    groups, transposed = module.groups, is_transposed(module)
+    out_grid, kernel = factor.shape[3:], tuple(module.kernel_size)
+    if transposed:
+        padding = list(module.padding)
+        output_padding = transpose_output_padding(module, x, out_grid)
+    else:
+        x, pad = pad_input(module, x)
+        padding, output_padding = list(pad), [0] * len(kernel)
+    c_in = x.shape[1]
+    per_group = c_out // groups
+    grad = factor.reshape(v, n, groups, per_group, *out_grid).transpose(0, 1).transpose(1, 2)
+    grad = grad.reshape(1, n * groups * v * per_group, *out_grid)
+    if transposed:
+        shape = (n * c_in, v * per_group, *kernel)
+    else:
+        shape = (n * groups * v * per_group, c_in // groups, *kernel)
+    weight = factor.new_empty(()).expand(shape)  # only its shape matters for the weight gradient
+    gw = torch.ops.aten.convolution_backward(
+        grad,
+        x.reshape(1, n * c_in, *x.shape[2:]),
+        weight,
+        None,
+        list(module.stride),
+        padding,
+        list(module.dilation),
+        transposed,
+        output_padding,
+        n * groups,
+        [False, True, False],
+    )[1]
+    if transposed:
+        # [n, G, C_in / G, V, C_out / G, *k] -> [n, V, G, C_in / G, C_out / G, *k]
+        return gw.reshape(n, groups, c_in // groups, v, per_group, *kernel).permute(
+            0, 3, 1, 2, *range(4, 5 + len(kernel))
+        )
+    return gw.reshape(n, groups, v, per_group, c_in // groups, *kernel).transpose(1, 2)
+
+
+def prefer_fold(module: nn.Module, x: Tensor, out_grid: Sequence[int]) -> bool:
+    """Whether the rules should use `pair_weight_grads_fold` (saving memory, or faster)."""
+    if _SAVE_MEMORY:
+        return True
+    if module.groups != 1 or x.device.type != "cpu":
+        return False
+    return max(math.prod(x.shape[2:]), math.prod(out_grid)) >= _VMAP_MIN_POSITIONS
