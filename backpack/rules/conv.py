@@ -138,18 +138,14 @@ class ConvRule(ModuleRule):
                     fa, fb = convnd.weight_grad_factors(module, x[part], g[part])
                     norms.append((_gram(fa) * _gram(fb)).sum((1, 2, 3)))
                 result["weight"] = torch.cat(norms)
-            elif convnd.save_memory_enabled():
-                result["weight"] = torch.cat(
-                    [
-                        convnd.per_sample_weight_grads(module, x[part], g[part])
-                        .flatten(1)
-                        .square()
-                        .sum(1)
-                        for part in _chunks(x.shape[0], module.weight.numel())
-                    ]
-                )
             else:
-                return None
+                # per-sample gradients chunk by chunk (the output gradient is the only factor
+                # column), squared in place: `[N, *weight]` is never formed
+                xf, f = _input_and_factor(record, (grad_outputs[0].unsqueeze(0),))
+                norms = f.new_zeros(xf.shape[0])
+                for ns, _, pairs in _pair_grads(module, xf, f):
+                    norms[ns] += pairs.square_().flatten(1).sum(1)
+                result["weight"] = norms
         if "bias" in names:
             result["bias"] = convnd.per_sample_bias_grads(g).square().sum(1)
         return result
@@ -157,20 +153,11 @@ class ConvRule(ModuleRule):
     def sum_grad_squared(
         self, record: Record, grad_outputs: GradOutputs, names: Names
     ) -> dict | None:
-        """Only when saving memory: Σ_n g_n² accumulated over chunks of samples."""
-        if not convnd.save_memory_enabled():
-            return None
-        module = record.module
-        x, g = _io(record, grad_outputs)
-        result = {}
-        if "weight" in names:
-            total = torch.zeros_like(module.weight, dtype=g.dtype)
-            for part in _chunks(x.shape[0], module.weight.numel()):
-                total += convnd.per_sample_weight_grads(module, x[part], g[part]).square().sum(0)
-            result["weight"] = total
-        if "bias" in names:
-            result["bias"] = convnd.per_sample_bias_grads(g).square().sum(0)
-        return result
+        """Σ_n g_n²: the diagonal routine with the output gradient as its one factor column.
+
+        Per-sample gradients exist one bounded chunk at a time and are squared in place.
+        """
+        return self.diag_from_factor(record, (grad_outputs[0].unsqueeze(0),), names, None, False)
 
     def batch_dot(self, record: Record, grad_outputs: GradOutputs, names: Names) -> dict | None:
         """Gram matrix of per-sample gradients; ghost form for the weight on tiny outputs."""

@@ -289,9 +289,11 @@ def test_missing_factor_gives_zeros():
 def test_fold_path_on_large_grid_matches_unfold(monkeypatch):
     """A grid above the fold threshold takes the fold path by default; both paths agree."""
     torch.manual_seed(0)
-    module = nn.Conv2d(2, 3, 3, padding=1).to(D)
-    x = torch.randn(2, 2, 24, 24, dtype=D)
+    module = nn.Conv2d(16, 3, 3, padding=1).to(D)
+    x = torch.randn(2, 16, 24, 24, dtype=D)
     assert convnd.prefer_fold(module, x, x.shape[2:])
+    thin = nn.Conv2d(2, 3, 3, padding=1).to(D)  # few unfolded rows: unfolding is cheaper
+    assert not convnd.prefer_fold(thin, torch.randn(2, 2, 24, 24, dtype=D), x.shape[2:])
     with torch.no_grad():
         out = module(x)
         factor = torch.randn(3, *out.shape, dtype=D)
