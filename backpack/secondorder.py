@@ -181,7 +181,8 @@ def _propagate_columns(
             if grad is None:
                 continue
             if results[i] is None:
-                results[i] = grad.new_zeros(factor.shape[0], *grad.shape)
+                # every column writes its slice (a target unused by one column is unused by all)
+                results[i] = grad.new_empty(factor.shape[0], *grad.shape)
             results[i][v] = grad
     return results
 
