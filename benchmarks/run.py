@@ -417,7 +417,7 @@ def run_problem(name: str, cfg: Config) -> dict[str, Any]:
 
     factories = _extension_factories()
     cases: dict[str, Case] = {}
-    torch_func_ratio = None
+    torch_func_ratio = write_once_ratio = None
     ordered = [r for r in P.BASELINE_ROWS if r in cfg.rows]
     ordered += [r for r in P.EXTENSION_ROWS if r in cfg.rows]
     for row in ordered:
@@ -433,6 +433,19 @@ def run_problem(name: str, cfg: Config) -> dict[str, Any]:
             )
             if case.status == "ok":
                 torch_func_ratio = case.ratio
+        elif row == P.WRITE_ONCE:
+            shapes = [(x.shape[0], *p.shape) for p in plain_model.parameters() if p.requires_grad]
+
+            def step(shapes: list = shapes) -> None:
+                plain_step()
+                for shape in shapes:
+                    torch.empty(shape, dtype=x.dtype, device=x.device).fill_(1.0)
+
+            case = measure_case(
+                step, plain_step, clear_plain, plain_estimate, plain_peak, cfg, device
+            )
+            if case.status == "ok":
+                write_once_ratio = case.ratio
         elif row == P.OPACUS:
             try:
                 step, clear_opacus, note = _opacus_step(model, plain_loss, x, y)
@@ -486,6 +499,7 @@ def run_problem(name: str, cfg: Config) -> dict[str, Any]:
         "parameters": sum(p.numel() for p in model.parameters()),
         "seconds_total": time.perf_counter() - started,
         "torch_func_ratio": torch_func_ratio,
+        "write_once_ratio": write_once_ratio,
         "cases": {row: asdict(case) for row, case in cases.items()},
     }
 
@@ -500,9 +514,15 @@ def _mb(nbytes: int | None) -> str:
     return f"{nbytes / 2**20:+.1f} MB" if nbytes < 0 else f"{nbytes / 2**20:.1f} MB"
 
 
-def judge(row: str, problem: str, case: dict, torch_func_ratio: float | None) -> dict | None:
+def judge(
+    row: str,
+    problem: str,
+    case: dict,
+    torch_func_ratio: float | None,
+    write_once_ratio: float | None = None,
+) -> dict | None:
     """Evaluate the issue's targets on one cell: met True/False, or None if undetermined."""
-    targets = P.target_for(row, problem, torch_func_ratio)
+    targets = P.target_for(row, problem, torch_func_ratio, write_once_ratio)
     if not targets:
         return None
     verdicts = []
@@ -702,7 +722,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="ROW",
         help="extension class names and/or 'none' (extended, no extension), 'torch.func', "
-        "'opacus'; default: all",
+        "'opacus', 'write-once' (the floor of per-sample results); default: all",
     )
     parser.add_argument("--quick", action="store_true", help="fewer repeats (rough numbers)")
     parser.add_argument("--tiny", action="store_true", help="tiny problem sizes (smoke test)")
@@ -719,7 +739,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_ALIASES = {"none": P.NO_EXTENSION, "torch.func": P.TORCH_FUNC, "opacus": P.OPACUS}
+_ALIASES = {
+    "none": P.NO_EXTENSION,
+    "torch.func": P.TORCH_FUNC,
+    "opacus": P.OPACUS,
+    "write-once": P.WRITE_ONCE,
+}
 
 
 def _rows(selected: Sequence[str] | None) -> tuple[str, ...]:
@@ -770,7 +795,8 @@ def _worker_argv(args: argparse.Namespace, name: str, out: str, deadline: float)
 def _add_verdicts(name: str, result: dict) -> None:
     tf = result.get("torch_func_ratio")
     result["verdicts"] = {
-        row: judge(row, name, case, tf) for row, case in result.get("cases", {}).items()
+        row: judge(row, name, case, tf, result.get("write_once_ratio"))
+        for row, case in result.get("cases", {}).items()
     }
 
 

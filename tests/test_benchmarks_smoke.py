@@ -141,6 +141,9 @@ def test_targets_are_judged():
     assert R.judge("BatchL2Grad", "3c3d", ok, None)["met"] is True
     assert R.judge("BatchL2Grad", "3c3d", {**ok, "ratio": 2.0}, None)["met"] is False
     assert R.judge("BatchGrad", "mlp", ok, 1.1)["met"] is False
+    # output-bound mlp_big: within 10% of writing the result once (and at most torch.func)
+    assert R.judge("BatchGrad", "mlp_big", {**ok, "ratio": 10.5}, 20.0, 10.0)["met"] is True
+    assert R.judge("BatchGrad", "mlp_big", {**ok, "ratio": 11.5}, 20.0, 10.0)["met"] is False
     assert R.judge("DiagGGNExact", "3c3d", {**ok, "ratio": 5.0}, None)["met"] is None
     refused = {"status": "refused", "ratio": None, "first_run_seconds": 0.01, "reason": "x"}
     assert R.judge("KFRA", "3c3d", refused, None)["met"] is True
