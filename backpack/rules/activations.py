@@ -116,6 +116,17 @@ _RULES: dict[type[nn.Module], ActivationRule] = {
     nn.GELU: ActivationRule(_gelu_d2),
 }
 
+#: piecewise linear modules that act on each entry separately (the activations in `_RULES` do too)
+_ELEMENTWISE_PIECEWISE_LINEAR: tuple[type[nn.Module], ...] = (
+    nn.ReLU,
+    nn.LeakyReLU,
+    nn.ReLU6,
+    nn.Hardtanh,
+    nn.Hardsigmoid,
+    nn.Threshold,
+    nn.Identity,
+)
+
 #: modules that are linear or piecewise linear in their input (no residual curvature)
 _CURVATURE_FREE: tuple[type[nn.Module], ...] = (
     nn.Linear,
@@ -129,13 +140,7 @@ _CURVATURE_FREE: tuple[type[nn.Module], ...] = (
     nn.BatchNorm2d,
     nn.BatchNorm3d,
     nn.Embedding,
-    nn.ReLU,
-    nn.LeakyReLU,
-    nn.ReLU6,
-    nn.Hardtanh,
-    nn.Hardsigmoid,
-    nn.Threshold,
-    nn.Identity,
+    *_ELEMENTWISE_PIECEWISE_LINEAR,
     nn.Flatten,
     nn.Unflatten,
     nn.Dropout,
@@ -203,16 +208,6 @@ def is_curvature_free(module: nn.Module) -> bool:
     return isinstance(module, _CURVATURE_FREE) or isinstance(module, tuple(_EXTRA_CURVATURE_FREE))
 
 
-#: piecewise linear modules that act on each entry separately (the activations in `_RULES` do too)
-_ELEMENTWISE_PIECEWISE_LINEAR: tuple[type[nn.Module], ...] = (
-    nn.ReLU,
-    nn.LeakyReLU,
-    nn.ReLU6,
-    nn.Hardtanh,
-    nn.Hardsigmoid,
-    nn.Threshold,
-    nn.Identity,
-)
 _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
 
 

@@ -240,24 +240,23 @@ class LinearRule(ModuleRule):
         out = record.module.out_features
         t = gbar.shape[0] // out
         g = gbar.reshape(t, out, t, out).diagonal(dim1=0, dim2=2).sum(-1)
-        g = (g + g.T) / 2
-        result = {}
-        if "weight" in names:
-            a = torch.einsum("nti,ntj->ij", x, x) / (x.shape[0] * x.shape[1])
-            result["weight"] = [g, a]
-        if "bias" in names:
-            result["bias"] = [g]
-        return result
+        return _kron_result(x, (g + g.T) / 2, names)
 
     def kron_factors(self, record, factors, names):  # noqa: D102
         # Sequence inputs [N, T, in] follow the "expand" convention: positions act as samples.
         x = _flat_input(record)
         f = self._flat_factor(record, factors)
-        g = torch.einsum("vnto,vntp->op", f, f)
-        result = {}
-        if "weight" in names:
-            a = torch.einsum("nti,ntj->ij", x, x) / (x.shape[0] * x.shape[1])
-            result["weight"] = [g, a]
-        if "bias" in names:
-            result["bias"] = [g]
-        return result
+        return _kron_result(x, torch.einsum("vnto,vntp->op", f, f), names)
+
+
+def _kron_result(x: Tensor, g: Tensor, names: Names) -> dict[str, list[Tensor]]:
+    """Kronecker factors `[G, A]` (weight) and `[G]` (bias) from G and the input `[N, T, in]`.
+
+    Positions act as samples in A (the "expand" convention).
+    """
+    result: dict[str, list[Tensor]] = {}
+    if "weight" in names:
+        result["weight"] = [g, torch.einsum("nti,ntj->ij", x, x) / (x.shape[0] * x.shape[1])]
+    if "bias" in names:
+        result["bias"] = [g]
+    return result
