@@ -208,6 +208,12 @@ class ConvRule(ModuleRule):
         x, g = _io(record, grad_outputs)
         if name == "bias":
             return g.sum((0, *range(2, g.dim())))[index]
+        if (
+            index.numel() <= 16
+            and not convnd.is_transposed(module)
+            and module.padding_mode == "zeros"
+        ):
+            return _weight_entries_by_slices(module, x, g, index)
         shape = module.weight.shape
         groups, dims = module.groups, convnd.spatial_dims(module)
         coords = torch.unravel_index(index.to(x.device), tuple(shape))
@@ -326,6 +332,38 @@ class ConvRule(ModuleRule):
         if "bias" in names:
             result["bias"] = [g]
         return result
+
+
+def _weight_entries_by_slices(module: nn.Module, x: Tensor, g: Tensor, index: Tensor) -> Tensor:
+    """Weight-gradient entries of a zero-padded `ConvNd` call from strided views, no copies.
+
+    Entry (o, c, k) is Σ_{n,l} g[n, o, l] x[n, c', l·s + k·d - p] over the output positions l
+    whose input position lies inside the (unpadded) input; c' is c's channel in o's group.
+    """
+    shape = module.weight.shape
+    per_group = shape[0] // module.groups
+    pads = [before for before, _ in convnd.explicit_padding(module)]
+    coords = [c.tolist() for c in torch.unravel_index(index.cpu(), tuple(shape))]
+    values = []
+    for j in range(index.numel()):
+        out_channel = coords[0][j]
+        in_channel = out_channel // per_group * shape[1] + coords[1][j]
+        g_index: list[Any] = [slice(None), out_channel]
+        x_index: list[Any] = [slice(None), in_channel]
+        for i, (size_in, size_out) in enumerate(zip(x.shape[2:], g.shape[2:], strict=True)):
+            stride, offset = module.stride[i], coords[2 + i][j] * module.dilation[i] - pads[i]
+            first = max(0, -(offset // stride) if offset < 0 else 0)  # p = l s + offset >= 0
+            last = min(size_out - 1, (size_in - 1 - offset) // stride)
+            if last < first:
+                break
+            g_index.append(slice(first, last + 1))
+            start = first * stride + offset
+            x_index.append(slice(start, start + (last - first) * stride + 1, stride))
+        else:
+            values.append((g[tuple(g_index)] * x[tuple(x_index)]).sum())
+            continue
+        values.append(g.new_zeros(()))
+    return torch.stack(values)
 
 
 def _input_and_factor(record: Record, factors: Sequence[Tensor | None]) -> tuple[Tensor, Any]:

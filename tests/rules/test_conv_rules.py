@@ -1,5 +1,7 @@
 """Convolution-specific checks: both weight-gradient algorithms, fused paths, save-memory switch."""
 
+import warnings
+
 import pytest
 import torch
 from problems import first_order_reference, reference_per_sample_grads
@@ -8,11 +10,12 @@ from torch import nn
 
 from backpack import backpack, extend
 from backpack.core.derivatives import convnd
-from backpack.core.derivatives.convnd import weight_jac_t_save_memory
+from backpack.core.derivatives.convnd import weight_grad_sum, weight_jac_t_save_memory
 from backpack.extensions import BatchDotGrad, BatchGrad, BatchL2Grad, SumGradSquared, Variance
 from backpack.recording import Record
 from backpack.rules import conv as conv_rule
 from backpack.rules import find_rule
+from backpack.rules.conv import _weight_entries_by_slices
 
 D = torch.float64
 QUANTITIES = {
@@ -254,3 +257,36 @@ def test_frozen_weight_only_bias():
         conv(x).sin().sum().backward()
     assert not hasattr(conv.weight, "grad_batch")
     torch.testing.assert_close(conv.bias.grad_batch.sum(0), conv.bias.grad)
+
+
+@pytest.mark.parametrize("dims", [1, 2, 3])
+@pytest.mark.parametrize(
+    "stride, dilation, padding, groups, kernel, size",
+    [
+        (1, 1, 0, 1, 3, 9),
+        (2, 1, 1, 1, 3, 9),
+        (2, 2, 2, 2, 3, 8),
+        (1, 1, "same", 1, 4, 9),  # asymmetric padding
+        (3, 2, 1, 2, 3, 10),
+        (1, 2, "valid", 1, 2, 7),
+        (3, 1, 5, 1, 2, 4),  # some kernel offsets only ever meet padding
+    ],
+)
+def test_probed_weight_gradient_entries_from_strided_views(
+    dims, stride, dilation, padding, groups, kernel, size
+):
+    """The coverage probes' few weight-gradient entries equal the full weight gradient's."""
+    torch.manual_seed(dims)
+    conv_cls = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[dims - 1]
+    conv = conv_cls(4, 6, kernel, stride, padding, dilation, groups).to(torch.float64)
+    x = torch.randn(3, 4, *([size] * dims), dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "same" with an even kernel pads a copy
+        out = conv(x)
+    g = torch.randn_like(out)
+    full = weight_grad_sum(conv, x, g).flatten()
+    for index in (
+        torch.linspace(0, full.numel() - 1, 8).long(),
+        torch.randint(0, full.numel(), (16,)),
+    ):
+        torch.testing.assert_close(_weight_entries_by_slices(conv, x, g, index), full[index])
