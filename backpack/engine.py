@@ -131,16 +131,22 @@ class _Quantities:
         return {k: (sgs[k] / self.n - (gsum[k] / self.n).square()).clamp_min(0) for k in sgs}
 
 
-_PROBES: dict[tuple[int, torch.device], Tensor] = {}
+_PROBES: dict[tuple[Any, ...], Tensor] = {}
 
 
-def _probe_index(param: Tensor) -> Tensor:
-    """A few fixed flat positions of a parameter (no random numbers: the user's RNG is theirs)."""
-    key = (param.numel(), param.device)
+def _probe_index(param: Tensor, rule: ModuleRule | None = None, name: str = "") -> Tensor:
+    """A few fixed flat positions of a parameter (no random numbers: the user's RNG is theirs).
+
+    The rule may pick them (positions that are cheap to compute together); by default they are
+    spread evenly over the flattened parameter.
+    """
+    key = (type(rule), name, param.shape, param.device)
     index = _PROBES.get(key)
     if index is None:
-        numel = key[0]
-        index = torch.linspace(0, numel - 1, min(numel, 8), device=param.device).long()
+        index = None if rule is None else rule.probe_index(name, param)
+        if index is None:
+            numel = param.numel()
+            index = torch.linspace(0, numel - 1, min(numel, 8), device=param.device).long()
         if len(_PROBES) < 4096:
             _PROBES[key] = index
     return index
@@ -154,9 +160,9 @@ class _Coverage:
     is also used outside extended modules (a regulariser, a functional call).
     """
 
-    def __init__(self, param: Tensor, name: str, module: nn.Module) -> None:
+    def __init__(self, param: Tensor, name: str, module: nn.Module, rule: ModuleRule) -> None:
         self.param = param
-        self.index = _probe_index(param)
+        self.index = _probe_index(param, rule, name)
         self.total: Tensor | None = None
         self.label = f"{name} of {module.__class__.__name__}"
         self.handle: Any = None
@@ -623,7 +629,7 @@ class Engine:
             return coverage
         self._covered.add(key)
         if coverage is None:
-            coverage = self._coverage[id(param)] = _Coverage(param, name, record.module)
+            coverage = self._coverage[id(param)] = _Coverage(param, name, record.module, rule)
             fields = [e.savefield for e in self.extensions]
 
             def hook(grad: Tensor, coverage: _Coverage = coverage) -> None:

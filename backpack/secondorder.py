@@ -172,6 +172,11 @@ def _propagate_columns(
     output_edge: GradientEdge, targets: list[GradientEdge], factor: Tensor
 ) -> list[Tensor | None]:
     """`propagate` by one backward pass per column, written into preallocated results."""
+    if factor.shape[0] == 1:  # a single column needs no copy into a result
+        grads = torch.autograd.grad(
+            [output_edge], targets, [factor[0]], retain_graph=True, allow_unused=True
+        )
+        return [None if g is None else g.unsqueeze(0) for g in grads]
     results: list[Tensor | None] = [None] * len(targets)
     for v, column in enumerate(factor):
         grads = torch.autograd.grad(

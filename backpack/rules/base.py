@@ -76,6 +76,14 @@ class ModuleRule:
         """Fused sum over samples of per-sample gradients (this call's gradient), or None."""
         return None
 
+    def probe_index(self, name: str, param: Tensor) -> Tensor | None:
+        """Flat positions of `param` that `grad_sum_entries` computes cheaply together, or None.
+
+        They probe whether extended calls account for the whole gradient; None means positions
+        spread evenly over the parameter.
+        """
+        return None
+
     def grad_sum_entries(
         self, record: Record, grad_outputs: GradOutputs, name: str, index: Tensor
     ) -> Tensor:

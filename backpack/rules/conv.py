@@ -195,6 +195,20 @@ class ConvRule(ModuleRule):
             result["bias"] = g.sum((0, *range(2, g.dim())))
         return result
 
+    def probe_index(self, name: str, param: Tensor) -> Tensor | None:
+        """Weight probes at the kernel's centre offset, for spread (output, input) channels.
+
+        Sharing one kernel offset lets `grad_sum_entries` compute them in one vectorised step.
+        """
+        if name != "weight" or param.dim() < 3:
+            return None
+        count = min(8, param.shape[0])
+        outs = torch.linspace(0, param.shape[0] - 1, count).long()
+        ins = torch.linspace(0, param.shape[1] - 1, count).long()
+        centre = [torch.full((count,), k // 2) for k in param.shape[2:]]
+        flat = torch.stack([outs, ins, *centre]).T @ torch.tensor(param.stride())
+        return flat.to(param.device)
+
     def grad_sum_entries(
         self, record: Record, grad_outputs: GradOutputs, name: str, index: Tensor
     ) -> Tensor:
@@ -335,35 +349,53 @@ class ConvRule(ModuleRule):
 
 
 def _weight_entries_by_slices(module: nn.Module, x: Tensor, g: Tensor, index: Tensor) -> Tensor:
-    """Weight-gradient entries of a zero-padded `ConvNd` call from strided views, no copies.
+    """Weight-gradient entries of a zero-padded `ConvNd` call from strided views of x and g.
 
     Entry (o, c, k) is Σ_{n,l} g[n, o, l] x[n, c', l·s + k·d - p] over the output positions l
     whose input position lies inside the (unpadded) input; c' is c's channel in o's group.
+    Entries sharing a kernel offset k (the rule's own probes all do) are computed together.
     """
     shape = module.weight.shape
     per_group = shape[0] // module.groups
     pads = [before for before, _ in convnd.explicit_padding(module)]
     coords = [c.tolist() for c in torch.unravel_index(index.cpu(), tuple(shape))]
-    values = []
-    for j in range(index.numel()):
-        out_channel = coords[0][j]
-        in_channel = out_channel // per_group * shape[1] + coords[1][j]
-        g_index: list[Any] = [slice(None), out_channel]
-        x_index: list[Any] = [slice(None), in_channel]
-        for i, (size_in, size_out) in enumerate(zip(x.shape[2:], g.shape[2:], strict=True)):
-            stride, offset = module.stride[i], coords[2 + i][j] * module.dilation[i] - pads[i]
-            first = max(0, -(offset // stride) if offset < 0 else 0)  # p = l s + offset >= 0
-            last = min(size_out - 1, (size_in - 1 - offset) // stride)
-            if last < first:
-                break
-            g_index.append(slice(first, last + 1))
-            start = first * stride + offset
-            x_index.append(slice(start, start + (last - first) * stride + 1, stride))
-        else:
-            values.append((g[tuple(g_index)] * x[tuple(x_index)]).sum())
-            continue
-        values.append(g.new_zeros(()))
-    return torch.stack(values)
+    by_offset: dict[tuple[int, ...], list[int]] = {}
+    for j, offset in enumerate(zip(*coords[2:])):
+        by_offset.setdefault(offset, []).append(j)
+    values = g.new_zeros(index.numel())
+    for offset, members in by_offset.items():
+        g_window, x_window = _offset_windows(module, x, g, list(offset), pads)
+        if g_window is None:
+            continue  # this offset only ever meets padding
+        outs = [coords[0][j] for j in members]
+        ins = [o // per_group * shape[1] + coords[1][j] for o, j in zip(outs, members)]
+        # select channels first (contiguous), then window: much faster than the other order
+        x_part = x.index_select(1, torch.tensor(ins, device=x.device))[x_window]
+        g_part = g.index_select(1, torch.tensor(outs, device=g.device))[g_window]
+        sums = (x_part * g_part).sum([0, *range(2, x_part.dim())])
+        values[torch.tensor(members, device=g.device)] = sums
+    return values
+
+
+def _offset_windows(
+    module: nn.Module, x: Tensor, g: Tensor, offsets: list[int], pads: list[int]
+) -> tuple[Any, Any]:
+    """Index tuples of the output positions and the input positions one kernel offset pairs.
+
+    Only positions inside the unpadded input count (padding is zero); (None, None) if none.
+    """
+    g_index: list[Any] = [slice(None), slice(None)]
+    x_index: list[Any] = [slice(None), slice(None)]
+    for i, (size_in, size_out) in enumerate(zip(x.shape[2:], g.shape[2:], strict=True)):
+        stride, offset = module.stride[i], offsets[i] * module.dilation[i] - pads[i]
+        first = max(0, -(offset // stride) if offset < 0 else 0)  # l·s + offset >= 0
+        last = min(size_out - 1, (size_in - 1 - offset) // stride)
+        if last < first:
+            return None, None
+        g_index.append(slice(first, last + 1))
+        start = first * stride + offset
+        x_index.append(slice(start, start + (last - first) * stride + 1, stride))
+    return tuple(g_index), tuple(x_index)
 
 
 def _input_and_factor(record: Record, factors: Sequence[Tensor | None]) -> tuple[Tensor, Any]:

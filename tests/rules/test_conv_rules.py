@@ -290,3 +290,18 @@ def test_probed_weight_gradient_entries_from_strided_views(
         torch.randint(0, full.numel(), (16,)),
     ):
         torch.testing.assert_close(_weight_entries_by_slices(conv, x, g, index), full[index])
+
+
+def test_conv_probes_share_the_kernel_centre_and_still_detect_outside_uses():
+    """The rule's probes sit at one kernel offset; a regulariser on the weight is still seen."""
+    torch.manual_seed(5)
+    conv = nn.Conv2d(3, 10, 3, padding=1).to(torch.float64)
+    index = find_rule(conv).probe_index("weight", conv.weight)
+    coords = torch.unravel_index(index, conv.weight.shape)
+    assert len(index) == 8 and len(set(index.tolist())) == 8
+    assert set(coords[2].tolist()) == {1} and set(coords[3].tolist()) == {1}
+    model = extend(nn.Sequential(conv, nn.Flatten(), nn.Linear(160, 2)).to(torch.float64))
+    x, y = torch.randn(4, 3, 4, 4, dtype=torch.float64), torch.tensor([0, 1, 1, 0])
+    loss = nn.CrossEntropyLoss()(model(x), y) + 0.1 * conv.weight.square().sum()
+    with pytest.warns(UserWarning, match="outside extended modules"), backpack(Variance()):
+        loss.backward()
