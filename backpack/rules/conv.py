@@ -460,6 +460,8 @@ def _input_kron_factor(module: nn.Module, x: Tensor, out_size: Sequence[int]) ->
         u = _transposed_unfold(module, x, out_size)  # [N, K', L]
         flat = u.transpose(0, 1).reshape(u.shape[1], -1)
         return (flat @ flat.T) / n
+    if convnd.correlation_applies(module, x, out_size):
+        return convnd.input_gram_by_correlation(module, x, out_size) / n
     size = convnd.unfolded_elements_per_sample(module, x, x.new_empty(1, 1, *out_size))
     step = max(1, _PAIR_CHUNK.get(x.device.type, _CHUNK_BUDGET) // max(1, size))
     a = None

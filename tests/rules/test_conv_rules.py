@@ -11,7 +11,14 @@ from torch import nn
 from backpack import backpack, extend
 from backpack.core.derivatives import convnd
 from backpack.core.derivatives.convnd import weight_grad_sum, weight_jac_t_save_memory
-from backpack.extensions import BatchDotGrad, BatchGrad, BatchL2Grad, SumGradSquared, Variance
+from backpack.extensions import (
+    KFLR,
+    BatchDotGrad,
+    BatchGrad,
+    BatchL2Grad,
+    SumGradSquared,
+    Variance,
+)
 from backpack.recording import Record
 from backpack.rules import conv as conv_rule
 from backpack.rules import find_rule
@@ -305,3 +312,53 @@ def test_conv_probes_share_the_kernel_centre_and_still_detect_outside_uses():
     loss = nn.CrossEntropyLoss()(model(x), y) + 0.1 * conv.weight.square().sum()
     with pytest.warns(UserWarning, match="outside extended modules"), backpack(Variance()):
         loss.backward()
+
+
+@pytest.mark.parametrize(
+    "channels, kernel, padding, dilation, height, width",
+    [
+        (3, 3, 1, 1, 7, 9),
+        (4, 3, 0, 1, 8, 8),
+        (2, 5, 2, 1, 6, 7),
+        (3, 3, 2, 2, 9, 9),
+        (2, 4, "same", 1, 7, 7),  # asymmetric padding
+        (3, (3, 2), (1, 0), (1, 2), 8, 9),
+        (2, 3, 4, 1, 5, 5),  # padding wider than the kernel reaches
+        (2, 1, 0, 1, 4, 4),
+    ],
+)
+def test_input_gram_by_correlation_equals_unfolded_gram(
+    channels, kernel, padding, dilation, height, width
+):
+    """KFAC's Σ u uᵀ from channel correlations minus skipped borders equals the unfolded one."""
+    torch.manual_seed(7)
+    conv = nn.Conv2d(channels, 5, kernel, padding=padding, dilation=dilation).to(torch.float64)
+    x = torch.randn(3, channels, height, width, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out_size = conv(x).shape[2:]
+    u = convnd.unfold_channels_first(conv, x, out_size)
+    u = u.reshape(channels * conv.weight[0, 0].numel(), -1)
+    torch.testing.assert_close(convnd.input_gram_by_correlation(conv, x, out_size), u @ u.T)
+
+
+def test_kfac_on_a_large_grid_takes_the_correlation_path_with_the_same_numbers(monkeypatch):
+    torch.manual_seed(8)
+    conv = nn.Conv2d(16, 4, 3, padding=1).to(torch.float64)
+    linear = nn.Linear(4 * 24 * 24, 3).to(torch.float64)
+    x = torch.randn(2, 16, 24, 24, dtype=torch.float64)
+    assert convnd.correlation_applies(conv, x, (24, 24))
+    assert not convnd.correlation_applies(nn.Conv2d(16, 4, 3, stride=2), x, (11, 11))
+
+    def kfac_factors():
+        model = extend(nn.Sequential(conv, nn.Flatten(), linear))
+        loss = extend(nn.MSELoss())(model(x), torch.zeros(2, 3, dtype=torch.float64))
+        with backpack(KFLR()):
+            loss.backward()
+        return conv.weight.kflr
+
+    by_correlation = kfac_factors()
+    monkeypatch.setattr(convnd, "_CORRELATION_MIN_POSITIONS", 10**9)
+    unfolded = kfac_factors()
+    for a, b in zip(by_correlation, unfolded, strict=True):
+        torch.testing.assert_close(a, b)
