@@ -349,6 +349,7 @@ def test_kfac_on_a_large_grid_takes_the_correlation_path_with_the_same_numbers(m
     x = torch.randn(2, 16, 24, 24, dtype=torch.float64)
     assert convnd.correlation_applies(conv, x, (24, 24))
     assert not convnd.correlation_applies(nn.Conv2d(16, 4, 3, stride=2), x, (11, 11))
+    assert not convnd.correlation_applies(conv, x[:, :, :8, :8], (8, 8))  # small grid
 
     def kfac_factors():
         model = extend(nn.Sequential(conv, nn.Flatten(), linear))
