@@ -191,8 +191,10 @@ class _Coverage:
             return False
         actual = grad.detach().flatten()[self.index].to(self.total.dtype)
         tol = {torch.float64: 1e-7, torch.float32: 1e-4}.get(self.total.dtype, 5e-2)
-        scale = actual.abs().max().item() + self.total.abs().max().item()
-        if (actual - self.total).abs().max().item() > tol * scale + 1e-30:
+        # |actual - total| <= tol * (max|total| + max|actual|), with few small ops
+        both = torch.stack([actual, self.total])
+        scale = torch.linalg.vector_norm(both, float("inf"))
+        if not torch.allclose(actual, self.total, rtol=0.0, atol=float(tol * scale) + 1e-30):
             warnings.warn(
                 f"Parameter {self.label} also receives gradient from operations outside extended "
                 "modules (e.g. a regularisation term, or a functional use such as "
