@@ -10,6 +10,7 @@ are accumulated until every live use has reported or the backward ends.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -166,6 +167,8 @@ class _Coverage:
         self.total: Tensor | None = None
         self.label = f"{name} of {module.__class__.__name__}"
         self.handle: Any = None
+        #: whether this pass checks the parameter (see `Engine._cover`)
+        self.active = True
         #: variances waiting for the call's gradient sum: (savefield, Σ g², N, fallback)
         self.pending: list[tuple[str, Tensor, int, Callable[[], Tensor]]] = []
 
@@ -205,6 +208,21 @@ class _Coverage:
             )
             return False
         return True
+
+
+#: id(parameter) -> backward passes that met it (entries die with their parameter)
+_PASSES: dict[int, int] = {}
+
+
+def _due_for_check(param: Tensor) -> bool:
+    """Coverage schedule: the first 4 passes that meet a parameter, then every 16th."""
+    key = id(param)
+    seen = _PASSES.get(key)
+    if seen is None:
+        seen = 0
+        weakref.finalize(param, _PASSES.pop, key, None)
+    _PASSES[key] = seen + 1
+    return seen < 4 or seen % 16 == 0
 
 
 def _snapshot(record: Record) -> Record:
@@ -506,7 +524,9 @@ class Engine:
                 psg = quantities._psg
                 for name in direct:
                     part = None if psg is None else psg[name]
-                    coverage = self._cover(record, grads, rule, name, params[name], part)
+                    coverage = self._cover(
+                        record, grads, rule, name, params[name], part, bool(variances)
+                    )
                     for ext in variances:
                         # the call's gradient sum is the parameter's gradient, which autograd
                         # computes anyway: the variance is finished in the parameter's hook
@@ -521,7 +541,7 @@ class Engine:
             with torch.no_grad():
                 psg = rule.per_sample_grads(record, grads, [name])[name]
                 acc.add(psg)
-                self._cover(record, grads, rule, name, p, psg)
+                self._cover(record, grads, rule, name, p, psg, always=True)
             if acc.seen >= acc.expected:
                 self._finalize_accumulator(acc)
         return any(p in self._accumulators for p in params.values())
@@ -619,25 +639,30 @@ class Engine:
         name: str,
         param: Tensor,
         psg: Tensor | None,
+        always: bool = False,
     ) -> _Coverage:
         """Add this call's gradient at the probe entries of `param` (once per call).
 
         `psg` are this call's per-sample gradients if they were materialised anyway; only the
-        probed entries are read from them (or computed by the rule otherwise).
+        probed entries are read from them (or computed by the rule otherwise). The check runs
+        on a parameter's first passes and then on every 16th (`always`: on every pass, e.g.
+        when a variance waits for the parameter's gradient).
         """
-        key = (id(record), id(param))
         coverage = self._coverage.get(id(param))
-        if key in self._covered:
-            return coverage
-        self._covered.add(key)
         if coverage is None:
             coverage = self._coverage[id(param)] = _Coverage(param, name, record.module, rule)
-            fields = [e.savefield for e in self.extensions]
+            coverage.active = always or _due_for_check(param)
+            if coverage.active:
+                fields = [e.savefield for e in self.extensions]
 
-            def hook(grad: Tensor, coverage: _Coverage = coverage) -> None:
-                coverage.on_grad(grad, fields)
+                def hook(grad: Tensor, coverage: _Coverage = coverage) -> None:
+                    coverage.on_grad(grad, fields)
 
-            coverage.handle = param.register_hook(hook)
+                coverage.handle = param.register_hook(hook)
+        key = (id(record), id(param))
+        if key in self._covered or not coverage.active:
+            return coverage
+        self._covered.add(key)
         if psg is not None:
             part = psg.flatten(1)[:, coverage.index].sum(0)
         else:

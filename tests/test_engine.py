@@ -278,6 +278,29 @@ def test_parameter_used_outside_extended_modules_warns_and_covers_extended_uses(
     assert_quantity(model, quantity, reference(plain, x, y))
 
 
+def test_coverage_check_schedule_and_variance_always_checked():
+    """Checks run on a parameter's first passes and every 16th; with Variance on every pass."""
+    model, plain = extended_pair()
+    x, y = batch(seed=5)
+
+    def step(ext, regularise):
+        loss = nn.CrossEntropyLoss()(model(x), y)
+        if regularise:
+            loss = loss + 0.3 * model[0].weight.square().sum()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with backpack(ext):
+                loss.backward()
+        return any("outside extended modules" in str(w.message) for w in caught)
+
+    for _ in range(4):  # checked passes, nothing to report
+        assert not step(BatchL2Grad(), False)
+    assert not step(BatchL2Grad(), True)  # 5th pass: skipped (cheap), no warning
+    # Variance takes the gradient sum from the hook, so it always checks and stays exact
+    assert step(Variance(), True)
+    assert_quantity(model, "variance", reference(plain, x, y))
+
+
 def test_variance_without_parameter_gradients():
     """autograd.grad w.r.t. the input only: parameter hooks never run, Variance is still set."""
     model, plain = extended_pair()
