@@ -129,7 +129,13 @@ class _Quantities:
 
     def _variance(self, _: Any) -> dict[str, Tensor]:
         sgs, gsum = self.get("sum_grad_squared"), self.get("grad_sum")
-        return {k: (sgs[k] / self.n - (gsum[k] / self.n).square()).clamp_min(0) for k in sgs}
+        return {k: _variance_from_sums(sgs[k], gsum[k], self.n) for k in sgs}
+
+
+def _variance_from_sums(sum_squares: Tensor, total: Tensor, n: int) -> Tensor:
+    """Σ g²/N - (Σ g/N)², clipped at 0 against rounding; one new tensor, the rest in place."""
+    variance = sum_squares / n
+    return variance.addcmul_(total, total, value=-1.0 / n**2).clamp_min_(0)
 
 
 _PROBES: dict[tuple[Any, ...], Tensor] = {}
@@ -185,8 +191,8 @@ class _Coverage:
         pending, self.pending = self.pending, []
         with torch.no_grad():
             for field, sgs, n, fallback in pending:
-                mean = (fallback() if grad_sum is None else grad_sum) / n
-                setattr(self.param, field, (sgs / n - mean.square()).clamp_min(0))
+                total = fallback() if grad_sum is None else grad_sum
+                setattr(self.param, field, _variance_from_sums(sgs, total, n))
 
     def check(self, grad: Tensor, fields: list[str]) -> bool:
         """Warn (and return False) if `grad` has more than the extended calls' contributions."""
