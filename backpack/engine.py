@@ -132,9 +132,14 @@ class _Quantities:
         return {k: _variance_from_sums(sgs[k], gsum[k], self.n) for k in sgs}
 
 
-def _variance_from_sums(sum_squares: Tensor, total: Tensor, n: int) -> Tensor:
-    """Σ g²/N - (Σ g/N)², clipped at 0 against rounding; one new tensor, the rest in place."""
-    variance = sum_squares / n
+def _variance_from_sums(
+    sum_squares: Tensor, total: Tensor, n: int, overwrite: bool = False
+) -> Tensor:
+    """Σ g²/N - (Σ g/N)², clipped at 0 against rounding.
+
+    Computed in place: of `sum_squares` itself if `overwrite`, else of one new tensor.
+    """
+    variance = sum_squares.div_(n) if overwrite else sum_squares / n
     return variance.addcmul_(total, total, value=-1.0 / n**2).clamp_min_(0)
 
 
@@ -176,7 +181,7 @@ class _Coverage:
         #: whether this pass checks the parameter (see `Engine._cover`)
         self.active = True
         #: variances waiting for the call's gradient sum: (savefield, Σ g², N, fallback)
-        self.pending: list[tuple[str, Tensor, int, Callable[[], Tensor]]] = []
+        self.pending: list[tuple[str, Tensor, int, Callable[[], Tensor], bool]] = []
 
     def add(self, part: Tensor) -> None:
         self.total = part if self.total is None else self.total + part
@@ -190,9 +195,9 @@ class _Coverage:
         """Store pending variances, from `grad_sum` or (if None) from their fallback."""
         pending, self.pending = self.pending, []
         with torch.no_grad():
-            for field, sgs, n, fallback in pending:
+            for field, sgs, n, fallback, private in pending:
                 total = fallback() if grad_sum is None else grad_sum
-                setattr(self.param, field, _variance_from_sums(sgs, total, n))
+                setattr(self.param, field, _variance_from_sums(sgs, total, n, private))
 
     def check(self, grad: Tensor, fields: list[str]) -> bool:
         """Warn (and return False) if `grad` has more than the extended calls' contributions."""
@@ -524,6 +529,10 @@ class Engine:
                     for name in direct:
                         setattr(params[name], ext.savefield, values[name])
                 sgs = quantities.get("sum_grad_squared") if variances else {}
+                # nobody else stores these sums: the variance may be computed in their place
+                private = len(variances) == 1 and all(
+                    e.quantity != "sum_grad_squared" for e in builtin
+                )
                 if variances:
                     # the fallback below may run after the record is freed
                     quantities.record = _snapshot(record)
@@ -537,7 +546,8 @@ class Engine:
                         # the call's gradient sum is the parameter's gradient, which autograd
                         # computes anyway: the variance is finished in the parameter's hook
                         fallback = partial(_grad_sum_of, quantities, name)
-                        coverage.pending.append((ext.savefield, sgs[name], batch_size, fallback))
+                        entry = (ext.savefield, sgs[name], batch_size, fallback, private)
+                        coverage.pending.append(entry)
         for name in shared:
             p = params[name]
             acc = self._accumulators.get(p)
