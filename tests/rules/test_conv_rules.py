@@ -363,23 +363,3 @@ def test_kfac_on_a_large_grid_takes_the_correlation_path_with_the_same_numbers(m
     unfolded = kfac_factors()
     for a, b in zip(by_correlation, unfolded, strict=True):
         torch.testing.assert_close(a, b)
-
-
-@pytest.mark.parametrize("groups, transposed", [(1, False), (2, False), (1, True)])
-def test_autotuned_per_sample_path_is_cached_and_exact(monkeypatch, groups, transposed):
-    """The first call of a configuration times both algorithms; either gives the same numbers."""
-    monkeypatch.setattr(convnd, "_AUTOTUNE_MIN_WORK", 0)
-    monkeypatch.setattr(convnd, "_PATH_CHOICE", {})
-    torch.manual_seed(11)
-    cls = nn.ConvTranspose2d if transposed else nn.Conv2d
-    conv = cls(4, 6, 3, stride=2, padding=1, groups=groups).to(torch.float64)
-    x = torch.randn(3, 4, 7, 7, dtype=torch.float64)
-    g = torch.randn_like(conv(x))
-    expected = convnd.per_sample_weight_grads_unfold(conv, x, g)
-    for _ in range(2):
-        torch.testing.assert_close(convnd.per_sample_weight_grads(conv, x, g), expected)
-    assert list(convnd._PATH_CHOICE.values()) in (["vmap"], ["unfold"])
-    monkeypatch.setattr(convnd, "AUTOTUNE", False)
-    convnd._PATH_CHOICE.clear()
-    torch.testing.assert_close(convnd.per_sample_weight_grads(conv, x, g), expected)
-    assert convnd._PATH_CHOICE == {}

@@ -29,7 +29,6 @@ weight's first axis split into (G, weight.shape[0] / G).
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -334,59 +333,11 @@ def per_sample_weight_grads_unfold(module: nn.Module, x: Tensor, grad_output: Te
     return result
 
 
-#: (layer configuration, shapes, dtype) -> the faster of "vmap" and "unfold", measured on the
-#: first call of that configuration (CPU; the two differ by up to 3x either way, and no simple
-#: rule on sizes predicted which one wins across the benchmark layers)
-_PATH_CHOICE: dict[tuple, str] = {}
-#: below this many multiply-adds per call, timing is not worth it: use the size heuristic
-_AUTOTUNE_MIN_WORK = 1 << 24
-#: switch for tests and reproducible runs: False always uses the size heuristic
-AUTOTUNE = True
-
-
 def per_sample_weight_grads(module: nn.Module, x: Tensor, grad_output: Tensor) -> Tensor:
-    """`[N, *weight.shape]` per-sample weight gradients of a (transposed) convolution call.
-
-    Two algorithms give the same numbers: torch's weight backward batched with `vmap`, and
-    chunked unfold + GEMM. On CPU, the first call of each layer configuration times both and
-    remembers the faster one; otherwise a size heuristic picks.
-    """
-    paths = {
-        "vmap": per_sample_weight_grads_vmap,
-        "unfold": per_sample_weight_grads_unfold,
-    }
-    if _SAVE_MEMORY:
+    """`[N, *weight.shape]` per-sample weight gradients of a (transposed) convolution call."""
+    if _SAVE_MEMORY or _prefer_vmap(module, x, grad_output):
         return per_sample_weight_grads_vmap(module, x, grad_output)
-    guess = "vmap" if _prefer_vmap(module, x, grad_output) else "unfold"
-    work = unfolded_elements_per_sample(module, x, grad_output) * x.shape[0]
-    work *= module.weight.shape[0] // module.groups
-    if not AUTOTUNE or x.device.type != "cpu" or work < _AUTOTUNE_MIN_WORK:
-        return paths[guess](module, x, grad_output)
-    key = (
-        type(module),
-        tuple(x.shape),
-        tuple(grad_output.shape),
-        tuple(module.weight.shape),
-        module.kernel_size,
-        module.stride,
-        module.dilation,
-        module.padding,
-        module.padding_mode,
-        module.groups,
-        x.dtype,
-    )
-    choice = _PATH_CHOICE.get(key)
-    if choice is not None:
-        return paths[choice](module, x, grad_output)
-    timings, results = {}, {}
-    for name, path in paths.items():
-        start = time.perf_counter()
-        results[name] = path(module, x, grad_output)
-        timings[name] = time.perf_counter() - start
-    choice = min(timings, key=timings.__getitem__)
-    if len(_PATH_CHOICE) < 4096:
-        _PATH_CHOICE[key] = choice
-    return results[choice]
+    return per_sample_weight_grads_unfold(module, x, grad_output)
 
 
 def per_sample_bias_grads(grad_output: Tensor) -> Tensor:
