@@ -27,7 +27,7 @@ from backpack.extensions.backprop_extension import (
 )
 from backpack.extensions.firstorder.base import FirstOrderBackpropExtension
 from backpack.extensions.secondorder import SecondOrderBackpropExtension
-from backpack.recording import Record, live_records, param_owners
+from backpack.recording import Record, live_records, param_owners, trainable_params
 from backpack.rules import find_rule
 from backpack.rules.activations import find_activation_rule
 from backpack.rules.base import ModuleRule
@@ -43,15 +43,6 @@ def _unsupported_warning(ext: BackpropExtension, module: nn.Module) -> str:
         f"Extension saving to {ext.savefield} does not have an extension for "
         f"Module {module.__class__} although the module has parameters"
     )
-
-
-def _trainable_params(module: nn.Module) -> dict[str, Tensor]:
-    """The module's own parameters that require grad (its `_parameters`, read directly: fast)."""
-    params = {}
-    for name, p in module._parameters.items():
-        if p is not None and p.requires_grad and all(p is not q for q in params.values()):
-            params[name] = p
-    return params
 
 
 def _mixing_message(module: nn.Module) -> str:
@@ -488,7 +479,7 @@ class Engine:
 
     def _first_order_quantities(self, record: Record, grads: tuple[Tensor | None, ...]) -> bool:
         module = record.module
-        params = _trainable_params(module)
+        params = trainable_params(module)
         if not params:
             return False
         builtin = []
@@ -566,7 +557,7 @@ class Engine:
     def _run_second_order(self, record: Record, grads: tuple[Tensor | None, ...]) -> bool:
         """Second-order quantities of one call; True if some wait for other uses."""
         module = record.module
-        params = _trainable_params(module)
+        params = trainable_params(module)
         if not params:
             return False
         exts = self.second_order
@@ -619,13 +610,10 @@ class Engine:
         entries = secondorder.entries_for(record, ext)
         module = record.module
         if ext.output in ("diag", "batch_diag"):
-            if not entries:
-                zeros = secondorder.zero_like_params(module, names)
-                if ext.output == "diag":
-                    return zeros
-                n = rule.batch_size(record)
-                return {k: v.expand(n, *v.shape).clone() for k, v in zeros.items()}
             per_sample = ext.output == "batch_diag"
+            if not entries:
+                n = rule.batch_size(record) if per_sample else None
+                return secondorder.zero_like_params(module, names, n)
             return secondorder.reduce_entries(record, entries, names, per_sample, rule)
         if ext.output == "sqrt":
             return rule.sqrt_factor(record, entries[0].factors, names, ext.get_subsampling())

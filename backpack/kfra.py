@@ -19,7 +19,13 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 
-from backpack.recording import Record, live_records, param_owners, records_at
+from backpack.recording import (
+    Record,
+    live_records,
+    param_owners,
+    records_at,
+    trainable_params,
+)
 from backpack.rules import find_rule
 from backpack.rules.activations import elementwise_derivative
 from backpack.rules.base import ModuleRule
@@ -155,7 +161,7 @@ def _plan(loss_record: Record) -> list[tuple]:
             _check_dim(out_shape, f"output of {name}")
             steps.append(("sandwich", edge, out_edge, shape))
         shape = out_shape
-        trainable = [p for p in record.module.parameters(recurse=False) if p.requires_grad]
+        trainable = list(trainable_params(record.module).values())
         if any(sum(len(live_records(m)) for m in param_owners(p)) > 1 for p in trainable):
             raise NotImplementedError(
                 f"KFRA does not support parameters used several times in one forward "
@@ -205,9 +211,7 @@ def start_kfra(engine: Engine, loss_record: Record, sum_hessian: Tensor) -> None
                 gbar = _sandwich(engine, gbar, src, dst, n, shape, roots)
                 continue
             _, record, shape = step
-            names = [
-                k for k, p in record.module.named_parameters(recurse=False) if p.requires_grad
-            ]
+            names = list(trainable_params(record.module))
             rule = find_rule(record.module)
             dense = getattr(rule, "kron_factors_dense", None)
             if dense is not None and type(record.module) is nn.Linear:

@@ -151,6 +151,15 @@ def param_owners(param: Tensor) -> list[nn.Module]:
     return list(owners) if owners is not None else []
 
 
+def trainable_params(module: nn.Module) -> dict[str, Tensor]:
+    """The module's own parameters that require grad, by name (each parameter once)."""
+    params: dict[str, Tensor] = {}
+    for name, p in module._parameters.items():
+        if p is not None and p.requires_grad and all(p is not q for q in params.values()):
+            params[name] = p
+    return params
+
+
 def _register_owners(module: nn.Module, params: dict[str, Any]) -> None:
     """Remember that `module` uses its parameters (skipped when nothing changed since last time)."""
     ids = tuple(map(id, params.values()))

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 
 from backpack.context import CTX
-from backpack.recording import Record, records_at
+from backpack.recording import Record, records_at, trainable_params
 from backpack.rules import find_rule
 from backpack.rules.activations import (
     elementwise_derivative,
@@ -118,12 +118,8 @@ def graph_records(edge: Any) -> Iterator[tuple[Record, int, GradientEdge]]:
         stack.extend(next_node for next_node, _ in node.next_functions)
 
 
-def _is_conv(module: nn.Module) -> bool:
-    return isinstance(module, (nn.modules.conv._ConvNd,))
-
-
 def _is_parametrized(record: Record) -> bool:
-    return any(p.requires_grad for p in record.module.parameters(recurse=False))
+    return bool(trainable_params(record.module))
 
 
 #: column counts up to which convolutional graphs are backpropagated one column at a time:
@@ -293,7 +289,7 @@ def on_loss_backward(engine: Engine, record: Record, grads: tuple[Tensor | None,
                 s = rule.sqrt_hessian_sampled(record, key[1])
             factors.append(s * scale_value**0.5 if scale_value != 1 else s)
         sizes = [f.shape[0] for f in factors]
-        convolutional = any(_is_conv(r.module) for r, _, _ in found)
+        convolutional = any(isinstance(r.module, nn.modules.conv._ConvNd) for r, _, _ in found)
         results = propagate(
             engine, out_edge, [e for _, _, e in found], torch.cat(factors), loop=convolutional
         )
@@ -633,7 +629,7 @@ def _propagate_residual(
                 kept.setdefault(id(target), []).append((cols, result))
                 continue
             rule = find_rule(target.module) or _GENERIC
-            names = [k for k, p in target.module.named_parameters(recurse=False) if p.requires_grad]
+            names = list(trainable_params(target.module))
             factors: list[Tensor | None] = [None] * len(target.outputs)
             factors[index] = result
             for mode in diag_modes:
