@@ -212,44 +212,34 @@ class ConvRule(ModuleRule):
     def grad_sum_entries(
         self, record: Record, grad_outputs: GradOutputs, name: str, index: Tensor
     ) -> Tensor:
-        """A few entries of this call's gradient, each a dot product of two gathered slices.
+        """A few entries of this call's gradient from strided views, without a weight backward.
 
-        Weight entry (o, i, k) of `ConvNd` is Σ_{n,l} d[n, o, l] u[n, (i, k), l]; only the
-        patches of the requested (channel, offset) pairs are gathered (a strided view of the
-        input), so no full weight backward runs.
+        `ConvNd`: see `_weight_entries_by_slices`. `ConvTransposeNd`: weight entry (i, o, k) is
+        Σ_{n,q} x[n, i, q] v[n, (o, k), q] with v the patches of the output gradient; only the
+        requested channels' patches are gathered.
         """
         module = record.module
         x, g = _io(record, grad_outputs)
         if name == "bias":
             return g.sum((0, *range(2, g.dim())))[index]
-        if (
-            index.numel() <= 16
-            and not convnd.is_transposed(module)
-            and module.padding_mode == "zeros"
-        ):
+        if not convnd.is_transposed(module):
             return _weight_entries_by_slices(module, x, g, index)
         shape = module.weight.shape
-        groups, dims = module.groups, convnd.spatial_dims(module)
         coords = torch.unravel_index(index.to(x.device), tuple(shape))
-        if convnd.is_transposed(module):
-            # weight[i, o, k] = Σ_{n,q} x[n, i, q] v[n, (o, k), q]; v: patches of d
-            in_channel = coords[0]
-            out_channel = in_channel // (shape[0] // groups) * shape[1] + coords[1]
-            source, padding, grid = g, tuple(module.padding), x.shape[2:]
-            patched, dense = out_channel, x[:, in_channel]
-        else:
-            out_channel = coords[0]
-            in_channel = out_channel // (shape[0] // groups) * shape[1] + coords[1]
-            source, padding = convnd.pad_input(module, x)
-            grid = g.shape[2:]
-            patched, dense = in_channel, g[:, out_channel]
-        # only the E requested channels are (padded and) windowed: [N, E, *grid, *kernel]
-        windows = convnd.patches(
-            source[:, patched], module.kernel_size, module.stride, module.dilation, padding, grid
+        in_channel = coords[0]
+        out_channel = in_channel // (shape[0] // module.groups) * shape[1] + coords[1]
+        windows = convnd.patches(  # [N, E, *grid, *kernel]
+            g[:, out_channel],
+            module.kernel_size,
+            module.stride,
+            module.dilation,
+            tuple(module.padding),
+            x.shape[2:],
         )
         entries = torch.arange(index.numel(), device=x.device)
+        dims = convnd.spatial_dims(module)
         gathered = windows[(slice(None), entries, *([slice(None)] * dims), *coords[2:])]
-        return (gathered * dense.movedim(1, 0)).flatten(1).sum(1)
+        return (gathered * x[:, in_channel].movedim(1, 0)).flatten(1).sum(1)
 
     # --- second order ---------------------------------------------------------------------
     def sqrt_factor(self, record, factors, names, subsampling=None):  # noqa: D102
@@ -349,15 +339,20 @@ class ConvRule(ModuleRule):
 
 
 def _weight_entries_by_slices(module: nn.Module, x: Tensor, g: Tensor, index: Tensor) -> Tensor:
-    """Weight-gradient entries of a zero-padded `ConvNd` call from strided views of x and g.
+    """Weight-gradient entries of a `ConvNd` call from strided views of x and g.
 
     Entry (o, c, k) is Σ_{n,l} g[n, o, l] x[n, c', l·s + k·d - p] over the output positions l
-    whose input position lies inside the (unpadded) input; c' is c's channel in o's group.
-    Entries sharing a kernel offset k (the rule's own probes all do) are computed together.
+    whose input position lies inside the input (zero padding adds nothing; other padding modes
+    are applied to x first); c' is c's channel in o's group. Entries sharing a kernel offset k
+    (the rule's own probes all do) are computed together.
     """
     shape = module.weight.shape
     per_group = shape[0] // module.groups
-    pads = [before for before, _ in convnd.explicit_padding(module)]
+    if module.padding_mode == "zeros":
+        pads = [before for before, _ in convnd.explicit_padding(module)]
+    else:
+        x, remaining = convnd.pad_input(module, x)
+        pads = list(remaining)
     coords = [c.tolist() for c in torch.unravel_index(index.cpu(), tuple(shape))]
     by_offset: dict[tuple[int, ...], list[int]] = {}
     for j, offset in enumerate(zip(*coords[2:])):
