@@ -17,6 +17,22 @@ def as_tuple(tensors: TensorOrSequence) -> tuple[Tensor, ...]:
     return tuple(tensors)
 
 
+def check_vectors(
+    op: str, tensors: tuple[Tensor, ...], vectors: tuple[Tensor, ...], what: str
+) -> None:
+    """Raise `ValueError` unless there is one vector per tensor, each of the tensor's shape."""
+    if len(tensors) != len(vectors):
+        raise ValueError(
+            f"{op} needs one vector per {what}: got {len(tensors)} {what}s and "
+            f"{len(vectors)} vectors."
+        )
+    for t, v in zip(tensors, vectors, strict=True):
+        if t.shape != v.shape:
+            raise ValueError(
+                f"Vector of shape {tuple(v.shape)} does not match {what} shape {tuple(t.shape)}."
+            )
+
+
 def vjp(
     ys: TensorOrSequence,
     xs: TensorOrSequence,
@@ -25,15 +41,7 @@ def vjp(
 ) -> tuple[Tensor, ...]:
     """Σ_i J_{y_i}ᵀ w_i w.r.t. each x, differentiable (`create_graph=True`), zeros where unused."""
     ys_t, xs_t, ws_t = as_tuple(ys), as_tuple(xs), as_tuple(ws)
-    if len(ys_t) != len(ws_t):
-        raise ValueError(
-            f"L_op needs one vector per output: got {len(ys_t)} outputs and {len(ws_t)} vectors."
-        )
-    for y, w in zip(ys_t, ws_t, strict=True):
-        if y.shape != w.shape:
-            raise ValueError(
-                f"Vector of shape {tuple(w.shape)} does not match output shape {tuple(y.shape)}."
-            )
+    check_vectors("L_op", ys_t, ws_t, "output")
     pairs = [(y, w) for y, w in zip(ys_t, ws_t, strict=True) if y.requires_grad]
     if not pairs:
         return tuple(torch.zeros_like(x) for x in xs_t)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from backpack.hessianfree.lop import TensorOrSequence, as_tuple, vjp
+from backpack.hessianfree.lop import TensorOrSequence, as_tuple, check_vectors, vjp
 
 
 def R_op(  # noqa: N802 (public name of the original API)
@@ -32,15 +32,7 @@ def R_op(  # noqa: N802 (public name of the original API)
 
     """
     ys_t, xs_t, vs_t = as_tuple(ys), as_tuple(xs), as_tuple(vs)
-    if len(xs_t) != len(vs_t):
-        raise ValueError(
-            f"R_op needs one vector per input: got {len(xs_t)} inputs and {len(vs_t)} vectors."
-        )
-    for x, v in zip(xs_t, vs_t, strict=True):
-        if x.shape != v.shape:
-            raise ValueError(
-                f"Vector of shape {tuple(v.shape)} does not match input shape {tuple(x.shape)}."
-            )
+    check_vectors("R_op", xs_t, vs_t, "input")
     dummies = tuple(torch.zeros_like(y, requires_grad=True) for y in ys_t)
     gs = vjp(ys_t, xs_t, dummies, retain_graph=retain_graph)
     pairs = [(g, v) for g, v in zip(gs, vs_t, strict=True) if g.requires_grad]
