@@ -234,10 +234,7 @@ def weight_grad_factors(module: nn.Module, x: Tensor, grad_output: Tensor) -> tu
         )
         a, b = x.reshape(n, groups, -1, v.shape[-1]), v
     else:
-        xp, padding = pad_input(module, x)
-        u = unfold(
-            xp, module.kernel_size, module.stride, module.dilation, padding, grad_output.shape[2:]
-        )
+        u = unfold_input(module, x, grad_output.shape[2:])
         a, b = grad_output.reshape(n, groups, -1, u.shape[-1]), u
     return a, b.reshape(n, groups, -1, b.shape[-1])
 
