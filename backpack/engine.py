@@ -307,7 +307,7 @@ class _SecondOrderAccumulator:
                 continue
             sqrt = self.sqrt.get((ext.factor_key, tuple(ext.get_subsampling() or ())))
             if sqrt is None:
-                sqrt = torch.zeros(1, 1, *self.param.shape, dtype=self.param.dtype)
+                sqrt = self.param.new_zeros(1, 1, *self.param.shape)
             if ext.output == "sqrt":
                 result[ext] = sqrt
             elif ext.output == "batch_diag":

@@ -39,12 +39,13 @@ MAX_KFRA_DIM = 4096
 
 def _nearest_records(edge: GradientEdge) -> list[tuple[Record, int, GradientEdge]]:
     """The recorded module outputs first met walking backward from `edge`."""
-    found, stack, seen = [], [edge.node], set()
+    # seen: id -> node, kept alive so ids stay unique (see secondorder.graph_records)
+    found, stack, seen = [], [edge.node], {}
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         tags = records_at(node)
         if tags:
             found.extend((r, i, GradientEdge(node, nr)) for r, i, nr in tags)

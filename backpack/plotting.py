@@ -83,7 +83,7 @@ def matplotlib_missing() -> str | None:
 
 
 def _positive(values: Tensor) -> Tensor:
-    values = values.detach().to(torch.float64).flatten()
+    values = values.detach().cpu().to(torch.float64).flatten()
     return values[values > 0]
 
 
@@ -105,7 +105,7 @@ def _histogram(ax, panel: ModelPanel) -> None:  # noqa: ANN001
     if panel.sample_grad_norms is None or _positive(panel.sample_grad_norms).numel() == 0:
         _note(ax, "BatchL2Grad not run")
         return
-    norms = panel.sample_grad_norms.detach().to(torch.float64).flatten()
+    norms = panel.sample_grad_norms.detach().cpu().to(torch.float64).flatten()
     wrong = panel.misclassified
     if wrong is None or wrong.shape != norms.shape:
         wrong = torch.zeros_like(norms, dtype=torch.bool)
@@ -114,7 +114,7 @@ def _histogram(ax, panel: ModelPanel) -> None:  # noqa: ANN001
     low, high = norms.min().item(), norms.max().item()
     if panel.mean_grad_norm:
         low, high = min(low, panel.mean_grad_norm), max(high, panel.mean_grad_norm)
-    edges = torch.logspace(math.log10(low / 1.2), math.log10(high * 1.2), 31).numpy()
+    edges = torch.logspace(math.log10(low / 1.2), math.log10(high * 1.2), 31, device="cpu").numpy()
     ax.hist(
         [norms[~wrong].numpy(), norms[wrong].numpy()],
         bins=edges,
@@ -148,7 +148,7 @@ def _scatter(ax, panel: ModelPanel, colors: Sequence[str]) -> None:  # noqa: ANN
     if not panel.curvature:
         _note(ax, "DiagGGNExact / SumGradSquared not run")
         return
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator("cpu").manual_seed(0)
     top = max(
         max(layer.ggn_diag.max().item(), layer.empirical_fisher.max().item())
         for layer in panel.curvature
@@ -156,14 +156,14 @@ def _scatter(ax, panel: ModelPanel, colors: Sequence[str]) -> None:  # noqa: ANN
     floor = top * SCATTER_RANGE  # entries far below are (numerically) zero, not informative
     low, high = float("inf"), 0.0
     for layer, color in zip(panel.curvature, colors):
-        ggn = layer.ggn_diag.detach().to(torch.float64).flatten()
-        fisher = layer.empirical_fisher.detach().to(torch.float64).flatten()
+        ggn = layer.ggn_diag.detach().cpu().to(torch.float64).flatten()
+        fisher = layer.empirical_fisher.detach().cpu().to(torch.float64).flatten()
         keep = (ggn > floor) & (fisher > floor)
         ggn, fisher = ggn[keep], fisher[keep]
         if ggn.numel() == 0:
             continue
         if ggn.numel() > MAX_POINTS:
-            pick = torch.randperm(ggn.numel(), generator=gen)[:MAX_POINTS]
+            pick = torch.randperm(ggn.numel(), generator=gen, device="cpu")[:MAX_POINTS]
             ggn, fisher = ggn[pick], fisher[pick]
         few = ggn.numel() < 400  # small layers (biases, first convolutions) drawn on top
         ax.scatter(
@@ -200,12 +200,12 @@ def _spectra(ax, panel: ModelPanel, colors: Sequence[str]) -> None:  # noqa: ANN
             (layer.a_eigenvalues, "-", "A"),
             (layer.g_eigenvalues, "--", "G"),
         ):
-            values = values.detach().to(torch.float64).flatten().sort(descending=True).values
+            values = values.detach().cpu().to(torch.float64).flatten().sort(descending=True).values
             if values.numel() == 0 or values[0] <= 0:
                 continue
             dim = values.numel()
             values = values[values > values[0] * EIGENVALUE_CUTOFF]
-            ranks = torch.arange(1, values.numel() + 1)
+            ranks = torch.arange(1, values.numel() + 1, device="cpu")
             ax.plot(
                 ranks.numpy(),
                 values.numpy(),

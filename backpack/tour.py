@@ -250,9 +250,9 @@ class Reference:
         def compute() -> Tensor:
             numel = self.params[name].numel()
             if numel <= MAX_ENTRIES:
-                return torch.arange(numel)
-            gen = torch.Generator().manual_seed(self.seed + list(self.params).index(name))
-            return torch.randperm(numel, generator=gen)[:MAX_ENTRIES].sort().values
+                return torch.arange(numel, device="cpu")
+            gen = torch.Generator("cpu").manual_seed(self.seed + list(self.params).index(name))
+            return torch.randperm(numel, generator=gen, device="cpu")[:MAX_ENTRIES].sort().values
 
         return self._cached(("entries", name), compute)
 
@@ -260,17 +260,18 @@ class Reference:
         """`[NUM_DIRECTIONS, *param.shape]` random directions, exactly representable in float32."""
 
         def compute() -> Tensor:
-            gen = torch.Generator().manual_seed(self.seed + 1000 + list(self.params).index(name))
+            seed = self.seed + 1000 + list(self.params).index(name)
+            gen = torch.Generator("cpu").manual_seed(seed)
             shape = (NUM_DIRECTIONS, *self.params[name].shape)
-            return torch.randn(shape, generator=gen).to(torch.float64)
+            return torch.randn(shape, generator=gen, device="cpu").to(torch.float64)
 
         return self._cached(("dirs", name), compute)
 
     def _unit_tangents(self, name: str) -> Tensor:
         param = self.params[name]
         index = self.entries(name)
-        tangents = torch.zeros(len(index), param.numel(), dtype=param.dtype)
-        tangents[torch.arange(len(index)), index] = 1.0
+        tangents = param.new_zeros(len(index), param.numel())
+        tangents[torch.arange(len(index), device=param.device), index] = 1.0
         return tangents.reshape(len(index), *param.shape)
 
     def _output_jvps(self, name: str, tangents: Tensor) -> Tensor:
@@ -354,8 +355,8 @@ class Reference:
                 finally:
                     handle.remove()
 
-            zero = torch.zeros(channels, dtype=torch.float64)
-            basis = torch.eye(channels, dtype=torch.float64)
+            zero = torch.zeros(channels, dtype=torch.float64, device="cpu")
+            basis = torch.eye(channels, dtype=torch.float64, device="cpu")
             # forward mode, one tangent per channel: [C, N, D]
             jac = vmap(lambda t: jvp(shifted, (zero,), (t,))[1])(basis)
             jac = jac.reshape(channels, self.batch_size, -1)

@@ -50,9 +50,10 @@ class BenchProblem:
 
 def _data(n: int, shape: tuple[int, ...], classes: int, seed: int) -> tuple[Tensor, Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, *shape, generator=gen)
-    y = torch.randint(0, classes, (n,), generator=gen)
-    return x, y
+    x = torch.randn(n, *shape, generator=gen, device="cpu")
+    y = torch.randint(0, classes, (n,), generator=gen, device="cpu")
+    device = torch.get_default_device()  # drawn on the CPU: the same numbers on every device
+    return x.to(device), y.to(device)
 
 
 # --- MLPs ---------------------------------------------------------------------------------------

@@ -8,9 +8,24 @@ sys.path.insert(0, os.path.dirname(__file__))
 # tiny float64 problems: one thread avoids oversubscription when pytest-xdist runs workers
 torch.set_num_threads(1)
 
+# Devices (see the README): BACKPACK_TEST_DEVICE=cuda moves every problem of the shared table
+# to the GPU; BACKPACK_TEST_DEFAULT_DEVICE=cuda makes it torch's default device for the whole
+# suite, as a user calling torch.set_default_device would. On GPUs both keep TF32 off, so float32
+# tests compare exact products (cuDNN convolutions and RNNs would otherwise round to TF32).
+DEFAULT_DEVICE = os.environ.get("BACKPACK_TEST_DEFAULT_DEVICE")
+if DEFAULT_DEVICE:
+    torch.set_default_device(DEFAULT_DEVICE)
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+
 
 @pytest.fixture(autouse=True)
-def _seed_and_dtype():
+def _seed_and_dtype(request):
     """Every test starts from the same seed; problems build their own float64 tensors."""
     torch.manual_seed(0)
-    yield
+    if request.node.get_closest_marker("cpu_only") is not None:
+        # tests of CPU-only code paths (or of references that live on the CPU by design)
+        with torch.device("cpu"):
+            yield
+    else:
+        yield

@@ -26,6 +26,8 @@ def _flatten_params(model):
 class Curvature:
     """GGN and Hessian (full and per-sample) of a problem, split into parameter blocks."""
 
+    # cuDNN's RNN kernels support neither torch.func transforms nor backward in eval mode
+    @torch.backends.cudnn.flags(enabled=False)
     def __init__(self, model, x, lossfunc, y, hessian: bool = True, per_sample: bool = True):
         self.names, self.shapes, flat, unflatten = _flatten_params(model)
 

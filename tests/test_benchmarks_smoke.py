@@ -35,9 +35,9 @@ def _table_rows(markdown: str, title: str) -> dict[str, list[str]]:
 
 def test_peak_memory_of_a_known_allocation():
     def step():
-        a = torch.empty(1 << 20)  # 4 MiB
+        a = torch.empty(1 << 20, device="cpu")  # 4 MiB
         del a
-        b = torch.empty(1 << 18)  # 1 MiB, freed at the end
+        b = torch.empty(1 << 18, device="cpu")  # 1 MiB, freed at the end
         return b.sum()
 
     peak = R.peak_extra_bytes(step, torch.device("cpu"))

@@ -214,6 +214,7 @@ class _Tiny(nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
+@pytest.mark.cpu_only  # the tour's references live on the CPU
 def test_reference_matches_dense_matrices():
     torch.manual_seed(0)
     model = _Tiny().double()
@@ -271,6 +272,7 @@ def test_reference_matches_dense_matrices():
         torch.testing.assert_close(ref.input_moment(module), inputs.T @ inputs / 5)
 
 
+@pytest.mark.cpu_only  # the tour's references live on the CPU
 def test_kfra_reference_follows_the_recursion():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Sigmoid(), nn.Linear(4, 2)).double()

@@ -203,10 +203,12 @@ class ConvRule(ModuleRule):
         if name != "weight" or param.dim() < 3:
             return None
         count = min(8, param.shape[0])
-        outs = torch.linspace(0, param.shape[0] - 1, count).long()
-        ins = torch.linspace(0, param.shape[1] - 1, count).long()
-        centre = [torch.full((count,), k // 2) for k in param.shape[2:]]
-        flat = torch.stack([outs, ins, *centre]).T @ torch.tensor(param.stride())
+        # index arithmetic on the CPU whatever the default device (no integer matmul on CUDA)
+        cpu = torch.device("cpu")
+        outs = torch.linspace(0, param.shape[0] - 1, count, device=cpu).long()
+        ins = torch.linspace(0, param.shape[1] - 1, count, device=cpu).long()
+        centre = [torch.full((count,), k // 2, device=cpu) for k in param.shape[2:]]
+        flat = torch.stack([outs, ins, *centre]).T @ torch.tensor(param.stride(), device=cpu)
         return flat.to(param.device)
 
     def grad_sum_entries(

@@ -8,7 +8,8 @@ the module's forward) but exact for any module whose samples are independent.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -18,6 +19,25 @@ from torch.func import functional_call, jvp, vjp, vmap
 from backpack.context import CTX
 from backpack.recording import Record, tensors_in
 from backpack.rules.base import GradOutputs, ModuleRule, Names
+
+
+@contextmanager
+def transformable(module: nn.Module) -> Iterator[None]:
+    """Make `module` safe to call inside torch.func transforms (vmap, jvp, vjp).
+
+    cuDNN's RNN kernels support none of them, so for a module containing an RNN cuDNN is off
+    for the duration.
+    """
+    if not torch.backends.cudnn.enabled or not any(
+        isinstance(m, nn.RNNBase) for m in module.modules()
+    ):
+        yield
+        return
+    torch.backends.cudnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.enabled = True
 
 
 def _cotangents(record: Record, grad_outputs: GradOutputs, out_tensors: list[Tensor]) -> list:
@@ -77,7 +97,7 @@ class FuncRule(ModuleRule):
             return pullback(tuple(c.unsqueeze(0) for c in sample_cots))[0]
 
         batched_kwargs = {k: kwargs[k] for k in kwarg_keys}
-        with torch.enable_grad(), CTX.internal():
+        with torch.enable_grad(), CTX.internal(), transformable(module):
             return vmap(one_sample, in_dims=(arg_dims, 0, 0), randomness="same")(
                 args, batched_kwargs, cotangents
             )
@@ -110,7 +130,7 @@ def jvp_outputs(
     def one(tangent: Tensor) -> tuple[Tensor, ...]:
         return jvp(f, (primal,), (tangent,))[1]
 
-    with torch.enable_grad(), CTX.internal():
+    with torch.enable_grad(), CTX.internal(), transformable(module):
         return list(vmap(one)(tangents))
 
 
@@ -125,7 +145,7 @@ def vjp_params(
     """Jᵀ·c_k summed over samples for each slice k of the output cotangents."""
     f = _functional_outputs(module, args, kwargs, name, requires_grad)
     primal = getattr(module, name).detach()
-    with torch.enable_grad(), CTX.internal():
+    with torch.enable_grad(), CTX.internal(), transformable(module):
         outputs, pullback = vjp(f, primal)
         k = next(c for c in cotangents if c is not None).shape[0]
         filled = [

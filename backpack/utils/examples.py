@@ -154,7 +154,8 @@ def load_one_batch_mnist(
         flat: If ``True``, return inputs of shape ``[N, 784]`` instead of ``[N, 1, 28, 28]``.
 
     Returns:
-        Normalised float32 inputs and int64 labels of shape ``[N]``.
+        Normalised float32 inputs and int64 labels of shape ``[N]``, on torch's default device
+        (the CPU unless ``torch.set_default_device`` changed it).
 
     Raises:
         ValueError: If ``batch_size`` is not in ``1..len(dataset)``.
@@ -165,14 +166,15 @@ def load_one_batch_mnist(
     if not 1 <= batch_size <= num_samples:
         raise ValueError(f"batch_size must be in [1, {num_samples}], got {batch_size}.")
     if shuffle:
-        index = torch.randperm(num_samples)[:batch_size]
+        index = torch.randperm(num_samples, device=labels.device)[:batch_size]
     else:
-        index = torch.arange(batch_size)
+        index = torch.arange(batch_size, device=labels.device)
     x = convert(images[index])
     y = labels[index].clone()
     if flat:
         x = x.reshape(batch_size, -1)
-    return x, y
+    device = torch.get_default_device()
+    return x.to(device), y.to(device)
 
 
 class _NormalisedMNIST(Dataset):

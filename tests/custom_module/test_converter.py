@@ -310,6 +310,7 @@ def output_hessian_columns(out, lossfunc, y):
 class Reference:
     """GGN quantities (all entries) and Kronecker factors of Linear/Conv2d layers by autograd."""
 
+    @torch.backends.cudnn.flags(enabled=False)  # cuDNN RNNs have no backward in eval mode
     def __init__(self, model, x, lossfunc, y, products=True):
         self.model, self.x, self.lossfunc, self.y = model, x, lossfunc, y
         self.params = {k: p for k, p in model.named_parameters() if p.requires_grad}
@@ -458,6 +459,7 @@ def test_conversion_structure(name):
 
 
 @pytest.mark.parametrize("name", list(FAST))
+@torch.backends.cudnn.flags(enabled=False)  # the zoo's RNN runs in eval mode: no cuDNN backward
 def test_ggn_family_matches_autograd(name):
     model, x, lossfunc, y = build(name)
     ref = Reference(model, x, lossfunc, y)

@@ -62,7 +62,7 @@ def test_ggn_family(problem):
         sqrt = p.sqrt_ggn_exact.flatten(2)
         assert p.sqrt_ggn_exact.shape[2:] == p.shape
         close(torch.einsum("vnp,vnq->pq", sqrt, sqrt), ref.block(ref.ggn, name), name)
-        mat = torch.randn(3, *p.shape, dtype=p.dtype)
+        mat = torch.randn(3, *p.shape, dtype=p.dtype, device=p.device)
         expected = (ref.block(ref.ggn, name) @ mat.flatten(1).T).T.reshape(mat.shape)
         close(p.ggnmp(mat), expected, name)
 
@@ -93,7 +93,7 @@ def test_hessian_family(problem):
     for name, p in model.named_parameters():
         close(p.diag_h, ref.diag(ref.hessian, name), name)
         close(p.diag_h_batch, ref.diag(ref.hessian_per_sample, name), name)
-        mat = torch.randn(2, *p.shape, dtype=p.dtype)
+        mat = torch.randn(2, *p.shape, dtype=p.dtype, device=p.device)
         expected = (ref.block(ref.hessian, name) @ mat.flatten(1).T).T.reshape(mat.shape)
         close(p.hmp(mat), expected, name)
         # the positive-curvature block lies between the GGN and GGN + |residual|

@@ -9,6 +9,7 @@ backward per sample of the full-batch per-sample loss.
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,6 +19,24 @@ import torch
 from torch import Tensor, nn
 
 DTYPE = torch.float64
+#: where built problems live: BACKPACK_TEST_DEVICE=cuda moves every model, input and target there
+#: (built on the CPU first, so the numbers are those of a CPU run); defaults to torch's default
+_ENV = os.environ
+DEVICE = torch.device(
+    _ENV.get("BACKPACK_TEST_DEVICE") or _ENV.get("BACKPACK_TEST_DEFAULT_DEVICE") or "cpu"
+)
+
+
+def to_device(obj: Any) -> Any:
+    """`obj` (a tensor, or tuples/lists/dicts of them) on `DEVICE`; leaves keep requires_grad."""
+    if isinstance(obj, Tensor):
+        moved = obj.detach().to(DEVICE)
+        return moved.requires_grad_(obj.requires_grad) if obj.is_leaf else obj.to(DEVICE)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(to_device(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: to_device(v) for k, v in obj.items()}
+    return obj
 
 
 @dataclass
@@ -37,13 +56,22 @@ class Problem:
     def build(self, seed: int = 0) -> tuple[nn.Module, Any, nn.Module, Tensor]:
         """Fresh float64 model, input, loss function and targets (deterministic for `seed`)."""
         torch.manual_seed(seed)
-        model = self.make_model().to(DTYPE)
-        x = self.make_input()
-        lossfunc = self.make_loss()
+        model = self.make_model().to(DTYPE).to(DEVICE)
+        x = to_device(self.make_input())
+        lossfunc = self.make_loss().to(DEVICE)
         with torch.no_grad():
             out = model(x)
         y = self.make_target(out) if self.make_target is not None else default_target(lossfunc, out)
-        return model, x, lossfunc, y
+        return model, x, lossfunc, to_device(y)
+
+
+def assert_same_grad(actual: Tensor, expected: Tensor) -> None:
+    """`.grad` with extensions equals plain autograd's: bit for bit on the CPU; on GPUs, where
+    kernels with atomic adds (pooling, convolution backward) differ between two plain runs, to
+    the last few bits."""
+    exact = DEVICE.type == "cpu"
+    rtol, atol = (0.0, 0.0) if exact else (1e-13, 1e-16)
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
 
 
 def default_target(lossfunc: nn.Module, out: Tensor) -> Tensor:

@@ -342,6 +342,7 @@ def test_input_gram_by_correlation_equals_unfolded_gram(
     torch.testing.assert_close(convnd.input_gram_by_correlation(conv, x, out_size), u @ u.T)
 
 
+@pytest.mark.cpu_only  # the correlation path is chosen on the CPU only (measured there)
 def test_kfac_on_a_large_grid_takes_the_correlation_path_with_the_same_numbers(monkeypatch):
     torch.manual_seed(8)
     conv = nn.Conv2d(16, 4, 3, padding=1).to(torch.float64)

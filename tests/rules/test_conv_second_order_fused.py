@@ -286,6 +286,7 @@ def test_missing_factor_gives_zeros():
     _close(kron["weight"][1], rule.kron_factors(record, [factor], names)["weight"][1])
 
 
+@pytest.mark.cpu_only  # the fold path is chosen on the CPU only (measured there)
 def test_fold_path_on_large_grid_matches_unfold(monkeypatch):
     """A grid above the fold threshold takes the fold path by default; both paths agree."""
     torch.manual_seed(0)

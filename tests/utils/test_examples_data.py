@@ -34,7 +34,7 @@ def test_digits_dataset_shapes_and_normalisation():
     x, y = load_digits_dataset()
     assert x.shape == (1797, 1, 28, 28) and x.dtype == torch.float32
     assert y.shape == (1797,) and y.dtype == torch.int64
-    assert torch.equal(torch.unique(y), torch.arange(10))
+    assert torch.equal(torch.unique(y), torch.arange(10, device=y.device))
     # 4-pixel zero border like MNIST, i.e. the normalised value of 0
     background = -MNIST_MEAN / MNIST_STD
     assert torch.allclose(x[..., :4, :], torch.full_like(x[..., :4, :], background))

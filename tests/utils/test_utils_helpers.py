@@ -9,7 +9,7 @@ from backpack.utils.subsampling import subsample
 
 def _factors(dims, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(d, d, generator=gen, dtype=torch.float64) for d in dims]
+    return [torch.randn(d, d, generator=gen, dtype=torch.float64, device="cpu") for d in dims]
 
 
 @pytest.mark.parametrize("dims", [[3], [2, 3], [2, 1, 4], [3, 2, 2, 2]])
@@ -30,7 +30,7 @@ def test_two_kfacs_to_mat():
 def test_kfac_mat_prod_matches_dense(dims):
     factors = _factors(dims, seed=1)
     dense = kfacs_to_mat(factors)
-    mat = torch.randn(dense.shape[0], 5, dtype=torch.float64)
+    mat = torch.randn(dense.shape[0], 5, dtype=torch.float64, device="cpu")
     assert torch.allclose(kfac_mat_prod(factors, mat), dense @ mat)
     vec = mat[:, 0]
     result = kfac_mat_prod(factors, vec)
