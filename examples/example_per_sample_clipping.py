@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> dict[str, Tensor]:
 
         with torch.no_grad():
             for p, s in zip(model.parameters(), sums):
-                noise = torch.randn(p.shape, generator=noise_gen) * (
+                noise = torch.randn(p.shape, generator=noise_gen, device=noise_gen.device)
+                noise = noise.to(p.device) * (
                     args.noise_multiplier * args.max_norm
                 )
                 p -= args.lr * (s + noise) / n

@@ -131,7 +131,26 @@ def jvp_outputs(
         return jvp(f, (primal,), (tangent,))[1]
 
     with torch.enable_grad(), CTX.internal(), transformable(module):
-        return list(vmap(one)(tangents))
+        try:
+            return list(vmap(one)(tangents))
+        except NotImplementedError:
+            # a kernel without forward-mode derivative (e.g. CUDA's fused LSTM cell)
+            return _jvp_reverse_over_reverse(f, primal, tangents)
+
+
+def _jvp_reverse_over_reverse(
+    f: Callable[[Tensor], tuple[Tensor, ...]], primal: Tensor, tangents: Tensor
+) -> list[Tensor]:
+    """`jvp_outputs` with reverse mode only: J·t is the derivative of u -> Jᵀu along t."""
+    p = primal.detach().requires_grad_()
+    outs = f(p)
+    dummies = [torch.zeros_like(o, requires_grad=True) for o in outs]
+    (jt_u,) = torch.autograd.grad(outs, p, dummies, create_graph=True)
+    columns = []
+    for tangent in tangents:
+        grads = torch.autograd.grad(jt_u, dummies, tangent, retain_graph=True, allow_unused=True)
+        columns.append([torch.zeros_like(d) if g is None else g for g, d in zip(grads, dummies)])
+    return [torch.stack([c[i] for c in columns]) for i in range(len(outs))]
 
 
 def vjp_params(

@@ -268,9 +268,18 @@ def test_ggn_diagonals_and_square_root(key):
         torch.testing.assert_close(sqrt_diag, expected, rtol=1e-6, atol=1e-9, msg=name)
 
 
-def test_ggnmp_with_final_state_outputs():
+@pytest.mark.parametrize("forward_ad", [True, False], ids=["forward-ad", "reverse-only"])
+@pytest.mark.parametrize("mode", ["tanh", "lstm"])
+def test_ggnmp_with_final_state_outputs(mode, forward_ad, monkeypatch):
+    if not forward_ad:  # as on CUDA, whose fused LSTM cell has no forward-mode derivative
+        import backpack.rules.generic as generic
+
+        def no_forward_ad(*args, **kwargs):
+            raise NotImplementedError("Trying to use forward AD with ... not implemented")
+
+        monkeypatch.setattr(generic, "jvp", no_forward_ad)
     torch.manual_seed(8)
-    model = Reader("tanh", True, 1, False, True, False).to(DTYPE)
+    model = Reader(mode, True, 1, False, True, False).to(DTYPE)
     x, y = _data(True), torch.randint(0, 2, (N,))
     lossfunc = nn.CrossEntropyLoss()
     ref = Curvature(model, x, lossfunc, y, hessian=False)

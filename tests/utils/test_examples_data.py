@@ -70,9 +70,9 @@ def test_load_one_batch_deterministic_under_seed():
 def test_load_one_batch_no_shuffle_gives_first_samples():
     x_all, y_all = load_digits_dataset()
     x, y = load_one_batch_mnist(batch_size=10, shuffle=False)
-    assert torch.equal(x, x_all[:10]) and torch.equal(y, y_all[:10])
+    assert torch.equal(x.cpu(), x_all[:10]) and torch.equal(y.cpu(), y_all[:10])
     x_flat, _ = load_one_batch_mnist(batch_size=10, shuffle=False, flat=True)
-    assert torch.equal(x_flat, x_all[:10].flatten(start_dim=1))
+    assert torch.equal(x_flat.cpu(), x_all[:10].flatten(start_dim=1))
 
 
 def test_load_one_batch_invalid_size():
