@@ -123,6 +123,17 @@ class _Quantities:
         return {k: _variance_from_sums(sgs[k], gsum[k], self.n) for k in sgs}
 
 
+def variance_waits_for_grad(param: Tensor) -> bool:
+    """Whether `Variance` takes a call's gradient sum from the parameter's own gradient.
+
+    Autograd computes that sum anyway, so waiting for the parameter's hook saves the rule a GEMM
+    or convolution weight backward, but costs a coverage check on every pass (the sum must hold
+    only extended calls' contributions). That pays on the CPU; on GPUs the check's small kernels
+    and host syncs cost more than the GEMM (measured on an H100), so there the rule computes it.
+    """
+    return param.device.type == "cpu"
+
+
 def _variance_from_sums(
     sum_squares: Tensor, total: Tensor, n: int, overwrite: bool = False
 ) -> Tensor:
@@ -530,15 +541,16 @@ class Engine:
                 psg = quantities._psg
                 for name in direct:
                     part = None if psg is None else psg[name]
-                    coverage = self._cover(
-                        record, grads, rule, name, params[name], part, bool(variances)
-                    )
+                    wait = bool(variances) and variance_waits_for_grad(params[name])
+                    coverage = self._cover(record, grads, rule, name, params[name], part, wait)
                     for ext in variances:
-                        # the call's gradient sum is the parameter's gradient, which autograd
-                        # computes anyway: the variance is finished in the parameter's hook
                         fallback = partial(_grad_sum_of, quantities, name)
-                        entry = (ext.savefield, sgs[name], batch_size, fallback, private)
-                        coverage.pending.append(entry)
+                        if wait:
+                            entry = (ext.savefield, sgs[name], batch_size, fallback, private)
+                            coverage.pending.append(entry)
+                            continue
+                        variance = _variance_from_sums(sgs[name], fallback(), batch_size, private)
+                        setattr(params[name], ext.savefield, variance)
         for name in shared:
             p = params[name]
             acc = self._accumulators.get(p)

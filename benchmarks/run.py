@@ -367,6 +367,8 @@ def _torch_func_step(model: nn.Module, lossfunc: nn.Module, x, y) -> Callable:
     """Per-sample gradients of every parameter with `vmap(grad(functional_call))`."""
     from torch.func import functional_call, grad, vmap
 
+    from backpack.rules.generic import transformable
+
     params = {k: v.detach() for k, v in model.named_parameters()}
     scale = 1.0 / x.shape[0] if getattr(lossfunc, "reduction", "mean") == "mean" else 1.0
 
@@ -378,7 +380,9 @@ def _torch_func_step(model: nn.Module, lossfunc: nn.Module, x, y) -> Callable:
     holder: dict[str, Any] = {}
 
     def step() -> None:
-        holder["g"] = per_sample(params, x, y)
+        # cuDNN's RNN kernels do not support vmap: torch's own kernels run instead
+        with transformable(model):
+            holder["g"] = per_sample(params, x, y)
         holder.clear()
 
     return step

@@ -301,6 +301,24 @@ def test_coverage_check_schedule_and_variance_always_checked():
     assert_quantity(model, "variance", reference(plain, x, y))
 
 
+def test_variance_from_the_rules_gradient_sum_as_on_gpus(monkeypatch):
+    """Off the CPU the rule computes the gradient sum: exact too, with or without other uses."""
+    import backpack.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "variance_waits_for_grad", lambda param: False)
+    model, plain = extended_pair()
+    x, y = batch(seed=6)
+    for regularise in (False, True):
+        loss = nn.CrossEntropyLoss()(model(x), y)
+        if regularise:
+            loss = loss + 0.3 * model[0].weight.square().sum()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with backpack(Variance()):
+                loss.backward()
+        assert_quantity(model, "variance", reference(plain, x, y))
+
+
 def test_variance_without_parameter_gradients():
     """autograd.grad w.r.t. the input only: parameter hooks never run, Variance is still set."""
     model, plain = extended_pair()
