@@ -278,6 +278,7 @@ def test_parameter_used_outside_extended_modules_warns_and_covers_extended_uses(
     assert_quantity(model, quantity, reference(plain, x, y))
 
 
+@pytest.mark.cpu_only  # on GPUs Variance takes the rule's sum instead (see the next test)
 def test_coverage_check_schedule_and_variance_always_checked():
     """Checks run on a parameter's first passes and every 16th; with Variance on every pass."""
     model, plain = extended_pair()
