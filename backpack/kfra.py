@@ -25,6 +25,7 @@ from backpack.recording import (
     param_owners,
     records_at,
     trainable_params,
+    walk_nodes,
 )
 from backpack.rules import find_rule
 from backpack.rules.activations import elementwise_derivative
@@ -39,13 +40,8 @@ MAX_KFRA_DIM = 4096
 
 def _nearest_records(edge: GradientEdge) -> list[tuple[Record, int, GradientEdge]]:
     """The recorded module outputs first met walking backward from `edge`."""
-    # seen: id -> node, kept alive so ids stay unique (see secondorder.graph_records)
-    found, stack, seen = [], [edge.node], {}
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen[id(node)] = node
+    found, stack = [], [edge.node]
+    for node in walk_nodes(stack):
         tags = records_at(node)
         if tags:
             found.extend((r, i, GradientEdge(node, nr)) for r, i, nr in tags)

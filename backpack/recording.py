@@ -331,6 +331,22 @@ def _prune_node_records() -> None:
         _NODE_RECORDS_PRUNE_AT[0] = max(1024, 2 * len(_NODE_RECORDS))
 
 
+def walk_nodes(stack: list[Any]) -> Iterator[Any]:
+    """Each autograd node popped from `stack` once (None skipped); the caller pushes what follows.
+
+    The visited nodes are held, not just their id(): some torch versions (2.11) build a fresh
+    Python wrapper for a node on each access and free it when unused, so a bare id could be
+    reused by another node, which would then be skipped.
+    """
+    seen: dict[int, Any] = {}
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        yield node
+
+
 def records_at(node: Any) -> list[tuple[Record, int, int]]:
     """Live records whose module output the autograd `node` produced: (record, index, nr)."""
     entries = _NODE_RECORDS.get(node._sequence_nr())

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 
 from backpack.context import CTX
-from backpack.recording import Record, records_at, trainable_params
+from backpack.recording import Record, records_at, trainable_params, walk_nodes
 from backpack.rules import find_rule
 from backpack.rules.activations import (
     elementwise_derivative,
@@ -107,15 +107,7 @@ def graph_records(edge: Any) -> Iterator[tuple[Record, int, GradientEdge]]:
     if edge is None:
         return
     stack = [edge.node]
-    # `seen` keeps the visited node objects alive: some torch versions (2.11) build a fresh
-    # Python wrapper for a graph node on each access and free it when unused, so a bare id()
-    # could be reused by another node and that node would be skipped
-    seen: dict[int, Any] = {}
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen[id(node)] = node
+    for node in walk_nodes(stack):
         for record, index, output_nr in records_at(node):
             yield record, index, GradientEdge(node, output_nr)
         stack.extend(next_node for next_node, _ in node.next_functions)
@@ -218,12 +210,8 @@ def check_module_graph(loss_record: Record, exts: list[SecondOrderBackpropExtens
     edge = loss_record.input_edges[0] if loss_record.input_edges else None
     if edge is None:
         return
-    stack, seen = [edge.node], {}  # id -> node, kept alive (see graph_records)
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen[id(node)] = node
+    stack = [edge.node]
+    for node in walk_nodes(stack):
         records = [r for r, _, _ in records_at(node)]
         if records:
             for record in records:
