@@ -31,22 +31,6 @@ def _flat(record: Record, grad_outputs: GradOutputs) -> tuple[Tensor, Tensor]:
     return x.reshape(n, -1, x.shape[-1]), g.reshape(n, -1, g.shape[-1])
 
 
-#: (id of a cached probe index, in_features) -> (index, weight rows, weight columns); the index
-#: is kept so its id stays unique (probe indices are cached per parameter, see the engine)
-_ROWS_COLS: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}
-
-
-def _rows_cols(index: Tensor, in_features: int) -> tuple[Tensor, Tensor]:
-    """Weight rows and columns of flat probe positions (computed once per cached index)."""
-    key = (id(index), in_features)
-    hit = _ROWS_COLS.get(key)
-    if hit is None or hit[0] is not index:
-        hit = (index, index // in_features, index % in_features)
-        if len(_ROWS_COLS) < 4096:
-            _ROWS_COLS[key] = hit
-    return hit[1], hit[2]
-
-
 @register_rule(nn.Linear)
 class LinearRule(ModuleRule):
     """Per-sample gradients and fused reductions of `nn.Linear`."""
@@ -141,7 +125,7 @@ class LinearRule(ModuleRule):
         x, g = _flat(record, grad_outputs)
         if name == "bias":
             return g.sum((0, 1))[index]
-        rows, cols = _rows_cols(index, x.shape[2])
+        rows, cols = index // x.shape[2], index % x.shape[2]
         return (g[..., rows] * x[..., cols]).sum((0, 1))
 
     # --- second order ---------------------------------------------------------------------
