@@ -9,6 +9,7 @@ are accumulated until every live use has reported or the backward ends.
 
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -27,12 +28,13 @@ from backpack.extensions.backprop_extension import (
 )
 from backpack.extensions.firstorder.base import FirstOrderBackpropExtension
 from backpack.extensions.secondorder import SecondOrderBackpropExtension
-from backpack.recording import Record, live_records, param_owners, trainable_params
+from backpack.recording import Record, describe, trainable_params
 from backpack.rules import find_rule
 from backpack.rules.activations import find_activation_rule
 from backpack.rules.base import ModuleRule
 from backpack.rules.generic import FuncRule
 from backpack.rules.losses import is_loss
+from backpack.samples import SampleLayout
 
 _GENERIC_RULE = FuncRule()
 _WARNED_GENERIC: set[type] = set()
@@ -47,7 +49,7 @@ def _unsupported_warning(ext: BackpropExtension, module: nn.Module) -> str:
 
 def _mixing_message(module: nn.Module) -> str:
     return (
-        f"undefined for {module.__class__.__name__} ({module}): it normalises with statistics of "
+        f"undefined for {describe(module)}: it normalises with statistics of "
         "the whole batch, so samples are mixed. Call model.eval() before the forward pass (with "
         "track_running_stats=True, so that running statistics are used)."
     )
@@ -178,7 +180,7 @@ class _Coverage:
         self.param = param
         self.index = _probe_index(param, rule, name)
         self.total: Tensor | None = None
-        self.label = f"{name} of {module.__class__.__name__}"
+        self.label = f"{name} of {describe(module)}"
         self.handle: Any = None
         #: whether this pass checks the parameter (see `Engine._cover`)
         self.active = True
@@ -208,8 +210,11 @@ class _Coverage:
         actual = grad.detach().flatten()[self.index].to(self.total.dtype)
         tol = {torch.float64: 1e-7, torch.float32: 1e-4}.get(self.total.dtype, 5e-2)
         # |actual - total| <= tol * max(|total|, |actual|) on at most 8 numbers: Python floats
-        # (one transfer) are cheaper than a chain of tiny tensor ops; NaN counts as a mismatch
+        # (one transfer) are cheaper than a chain of tiny tensor ops
         pairs = torch.stack([actual, self.total], 1).tolist()
+        if not all(math.isfinite(v) for pair in pairs for v in pair):
+            # NaN or inf (e.g. one sample's input): nothing can be compared, nothing to report
+            return False
         bound = tol * max((abs(v) for pair in pairs for v in pair), default=0.0) + 1e-30
         if not all(abs(a - t) <= bound for a, t in pairs):
             warnings.warn(
@@ -254,79 +259,127 @@ def _grad_sum_of(quantities: _Quantities, name: str) -> Tensor:
     return quantities.get("grad_sum")[name]
 
 
+def _names(exts: Sequence[BackpropExtension]) -> str:
+    return ", ".join(e.__class__.__name__ for e in exts)
+
+
+def _is_are(exts: Sequence[BackpropExtension]) -> str:
+    return "is" if len(exts) == 1 else "are"
+
+
+def _place_rows(value: Tensor, offset: int, total: int, axes: int = 1) -> Tensor:
+    """`value`'s sample rows (its first `axes` axes) placed at `offset` among `total` rows."""
+    n = value.shape[0]
+    shape = (total,) * axes + tuple(value.shape[axes:])
+    full = value.new_zeros(shape)
+    if axes == 1:
+        full[offset : offset + n] = value
+    else:
+        full[offset : offset + n, offset : offset + n] = value
+    return full
+
+
+def _place(quantity: str, value: Tensor, placement: tuple[int, int] | None) -> Tensor:
+    """A first-order quantity of one call's samples, as a quantity of all the pass's samples."""
+    if placement is None or quantity in ("sum_grad_squared", "grad_sum", "variance"):
+        return value
+    offset, total = placement
+    return _place_rows(value, offset, total, 2 if quantity == "batch_dot" else 1)
+
+
 class _Accumulator:
-    """Summed per-sample gradients of a parameter used several times in one graph."""
+    """Per-sample gradients of a parameter used by several calls of one backward pass.
 
-    def __init__(self, param: Tensor, expected_uses: int, batch_size: int) -> None:
-        self.param = param
-        self.expected = expected_uses
-        self.seen = 0
-        self.batch_size = batch_size
-        self.psg: Tensor | None = None
-
-    def add(self, psg: Tensor) -> None:
-        self.psg = psg if self.psg is None else self.psg + psg
-        self.seen += 1
-
-
-class _SecondOrderAccumulator:
-    """Second-order contributions of a parameter used several times in one graph.
-
-    The GGN of a shared parameter includes cross terms between its uses: its square-root
-    factor is the sum of the uses' factors, and matrix products sum over pairs of uses.
+    Calls holding the same samples (a module applied twice, siamese branches) add their rows;
+    calls holding different samples (separate forwards and losses) fill their own rows.
     """
 
     def __init__(self, param: Tensor, expected_uses: int) -> None:
         self.param = param
         self.expected = expected_uses
         self.seen = 0
-        self.sqrt: dict[Any, Tensor] = {}
-        self.uses: dict[Any, list] = {}
-        self.exts: list = []
+        self.parts: list[tuple[Tensor, tuple[int, int] | None, Record]] = []
 
-    def add(self, engine: Engine, record: Record, rule: ModuleRule, name: str) -> None:
+    def add(self, psg: Tensor, placement: tuple[int, int] | None, record: Record) -> None:
+        self.parts.append((psg, placement, record))
         self.seen += 1
-        added = set()
-        for ext in engine.second_order:
-            if ext.factor == "sum":
-                continue
-            if ext.residual is not None or ext.output == "kron":
-                raise NotImplementedError(
-                    f"{ext.__class__.__name__} does not support parameters used several times "
-                    f"in one forward ({record.module.__class__.__name__})."
-                )
-            if ext not in self.exts:
-                self.exts.append(ext)
-            entries = secondorder.entries_for(record, ext)
-            if ext.output == "mp":
-                self.uses.setdefault(ext, []).append((record, entries, name))
-                continue
-            key = (ext.factor_key, tuple(ext.get_subsampling() or ()))
-            if not entries or key in added:
-                continue
-            added.add(key)
-            sqrt = rule.sqrt_factor(record, entries[0].factors, [name], ext.get_subsampling())
-            value = sqrt[name]
-            self.sqrt[key] = value if key not in self.sqrt else self.sqrt[key] + value
 
-    def values(self) -> dict[Any, Any]:
-        result = {}
-        for ext in self.exts:
-            if ext.output == "mp":
-                uses = self.uses.get(ext, [])
-                name = uses[0][2]
-                result[ext] = secondorder.matrix_product([(r, e) for r, e, _ in uses], name)
-                continue
-            sqrt = self.sqrt.get((ext.factor_key, tuple(ext.get_subsampling() or ())))
-            if sqrt is None:
-                sqrt = self.param.new_zeros(1, 1, *self.param.shape)
-            if ext.output == "sqrt":
-                result[ext] = sqrt
-            elif ext.output == "batch_diag":
-                result[ext] = sqrt.square().sum(0)
-            else:
-                result[ext] = sqrt.square().sum((0, 1))
-        return result
+    def per_sample_grads(self) -> Tensor | None:
+        """All calls' per-sample gradients, as rows of the pass's samples."""
+        if not self.parts:
+            return None
+        placed = [p for p in self.parts if p[1] is not None]
+        if placed:
+            total = placed[0][1][1]
+            full = self.parts[0][0].new_zeros(total, *self.parts[0][0].shape[1:])
+            for psg, (offset, _), _ in placed:
+                full[offset : offset + psg.shape[0]] += psg
+            return full
+        sizes = {psg.shape[0] for psg, _, _ in self.parts}
+        if len(sizes) > 1:
+            calls = ", ".join(f"{describe(r.module)}: {p.shape[0]}" for p, _, r in self.parts)
+            raise RuntimeError(
+                "A parameter is used by several module calls of this backward pass that "
+                f"process different numbers of samples ({calls}), and no extended loss function "
+                "tells which samples they hold. Extend the loss function(s) "
+                "(lossfunc = backpack.extend(lossfunc)): calls reaching different loss calls "
+                "then hold different samples."
+            )
+        total = self.parts[0][0]
+        for psg, _, _ in self.parts[1:]:
+            total = total + psg
+        return total
+
+
+class _SqrtPieces:
+    """Square-root factors `[V_l, n, *S]` of one parameter, assembled at the end of the pass.
+
+    Each piece belongs to one loss call (its columns) and one call's samples (its rows); pieces
+    at the same columns and rows add (calls sharing samples: cross terms included).
+    """
+
+    def __init__(self, param: Tensor, rows: int) -> None:
+        self.param = param
+        #: number of sample rows of the result (all the pass's samples)
+        self.rows = rows
+        self.pieces: list[tuple[int, int, Tensor]] = []
+
+    def add(self, loss_pos: int, placement: tuple[int, int] | None, piece: Tensor) -> None:
+        self.pieces.append((loss_pos, 0 if placement is None else placement[0], piece))
+
+    def assemble(self, columns: dict[int, int]) -> Tensor:
+        """`[V, N, *S]`: every loss's columns in loss order (zero where a loss misses)."""
+        for pos, _, piece in self.pieces:
+            columns.setdefault(pos, piece.shape[0])
+        offsets, start = {}, 0
+        for pos in sorted(columns):
+            offsets[pos] = start
+            start += columns[pos]
+        full = self.param.new_zeros(start, self.rows, *self.param.shape)
+        for pos, row, piece in self.pieces:
+            c = offsets[pos]
+            full[c : c + piece.shape[0], row : row + piece.shape[1]] += piece
+        return full
+
+
+class _ParamCurvature:
+    """Second-order contributions of one parameter in a pass, combined when all calls reported.
+
+    Used when the parameter has several calls in the pass, or when the pass has several losses or
+    sets of samples and a square root must be assembled from pieces.
+    """
+
+    def __init__(self, param: Tensor, name: str, expected_uses: int) -> None:
+        self.param = param
+        self.name = name
+        self.expected = expected_uses
+        self.seen = 0
+        #: (record, rule, placement) of each call
+        self.calls: list[tuple[Record, ModuleRule, tuple[int, int] | None]] = []
+
+    def add(self, record: Record, rule: ModuleRule, placement: tuple[int, int] | None) -> None:
+        self.calls.append((record, rule, placement))
+        self.seen += 1
 
 
 class Engine:
@@ -349,43 +402,52 @@ class Engine:
         self.second_order = [
             e for e in self.extensions if isinstance(e, SecondOrderBackpropExtension)
         ]
-        #: whether an extended loss started the second-order factors in this pass
-        self.loss_seen = False
-        self._coverage: dict[int, _Coverage] = {}
-        self._covered: set[tuple[int, int]] = set()
-        self._second_acc: dict[Tensor, _SecondOrderAccumulator] = {}
-        #: set while the engine itself runs autograd (factor propagation); hooks then do nothing
-        self.propagating = False
+        #: backward passes that met an extended module while this context was active
+        self.passes = 0
         self._task_id: int | None = None
-        self._accumulators: dict[Tensor, _Accumulator] = {}
-        self._deferred_hooks: dict[nn.Module, Record] = {}
-        #: id(record) -> (record, output gradients so far, [output nodes reported])
-        self._partial: dict[int, tuple[Record, list, list[int]]] = {}
+        self.reset()
 
     # --- pass bookkeeping --------------------------------------------------------------------
     def _enter_pass(self) -> None:
-        task = torch._C._current_graph_task_id()
         if self._task_id is not None:
             # same pass, or a backward nested inside it (its end callback has not run yet)
             return
         self.reset()
-        self._task_id = task
+        self._task_id = torch._C._current_graph_task_id()
+        self.passes += 1
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_pass)
+        self.layout = SampleLayout.discover(self.batch_size)
 
     def reset(self) -> None:
         """Forget everything about the current backward pass (also after an exception)."""
         self._task_id = None
-        self._accumulators = {}
-        self._second_acc = {}
-        self._deferred_hooks = {}
-        self._partial = {}
+        self.layout = SampleLayout([])
+        #: whether an extended loss started the second-order factors in this pass
         self.loss_seen = False
-        for coverage in self._coverage.values():
+        #: factor key -> loss position -> (columns of that loss's factor, sign of its weight)
+        self.loss_columns: dict[Any, dict[int, tuple[int, float]]] = {}
+        self._accumulators: dict[int, _Accumulator] = {}
+        self._curvatures: dict[int, _ParamCurvature] = {}
+        self._sqrt_pieces: dict[tuple[int, Any], tuple[SecondOrderBackpropExtension, _SqrtPieces]]
+        self._sqrt_pieces = {}
+        self._written: set[int] = set()
+        self._deferred_hooks: dict[nn.Module, Record] = {}
+        #: id(record) -> (record, output gradients so far, [output nodes reported])
+        self._partial: dict[int, tuple[Record, list, list[int]]] = {}
+        for coverage in getattr(self, "_coverage", {}).values():
             coverage.pending = []
             if coverage.handle is not None:
                 coverage.handle.remove()
-        self._coverage = {}
-        self._covered = set()
+        self._coverage: dict[int, _Coverage] = {}
+        self._covered: set[tuple[int, int]] = set()
+
+    def batch_size(self, record: Record) -> int:
+        """Number of samples of a recorded call (by its rule's batch axis)."""
+        return (find_rule(record.module) or _GENERIC_RULE).batch_size(record)
+
+    def uses(self, param: Tensor) -> int:
+        """How many module calls of the running backward use `param` directly."""
+        return self.layout.uses(param, self.batch_size)
 
     def _finish_pass(self) -> None:
         try:
@@ -397,8 +459,9 @@ class Engine:
                 coverage.finish(None)
             for acc in list(self._accumulators.values()):
                 self._finalize_accumulator(acc)
-            for acc in list(self._second_acc.values()):
-                self._finalize_second(acc)
+            for curvature in list(self._curvatures.values()):
+                self._finalize_curvature(curvature)
+            self._assemble_sqrt()
             for module, record in list(self._deferred_hooks.items()):
                 self._after_module(module, record)
         finally:
@@ -407,10 +470,8 @@ class Engine:
     # --- entry point from the gradient hooks -------------------------------------------------
     def on_module_backward(self, record: Record, grads: tuple[Tensor | None, ...]) -> None:
         """Run the active extensions on one module call whose output gradients are known."""
-        if self.propagating:
-            return
-        self._enter_pass()
         try:
+            self._enter_pass()
             self._process(record, grads)
         except BaseException:
             self.reset()  # the backward aborts: its end-of-pass callback will not run
@@ -420,9 +481,11 @@ class Engine:
         self, record: Record, parts: list[tuple[int, Tensor | None]], nodes: int
     ) -> None:
         """Gradients of some outputs of a multi-output call (one of its `nodes` output nodes)."""
-        if self.propagating:
-            return
-        self._enter_pass()
+        try:
+            self._enter_pass()
+        except BaseException:
+            self.reset()
+            raise
         entry = self._partial.get(id(record))
         if entry is None:
             entry = self._partial[id(record)] = (record, [None] * len(record.outputs), [0])
@@ -437,19 +500,19 @@ class Engine:
         module = record.module
         if record.disabled:
             raise RuntimeError(
-                f"The forward of {module.__class__.__name__} ({module}) ran under "
-                "backpack.disable(), so nothing was recorded for the backward inside "
+                f"The forward of {describe(module)} ran under backpack.disable(), so nothing "
+                "was recorded for the backward inside "
                 f"backpack({', '.join(map(repr, self.extensions))}). Run the forward outside "
                 "disable() to compute backpack quantities."
             )
         if record.freed:
             raise RuntimeError(
-                f"What was recorded for {module.__class__.__name__} was freed after the previous "
+                f"What was recorded for {describe(module)} was freed after the previous "
                 "backward pass. To backpropagate several times through one forward, use "
                 "backpack(..., retain_graph=True) together with backward(retain_graph=True)."
             )
         if self.debug:
-            print(f"[backpack] backward through {module.__class__.__name__}")
+            print(f"[backpack] backward through {describe(module)}")
         if is_loss(module):
             if self.second_order:
                 secondorder.on_loss_backward(self, record, grads)
@@ -480,6 +543,20 @@ class Engine:
                     module.__dict__.pop(attr, None)
         if not self.retain_graph:
             record.free()
+
+    def _split_uses(
+        self, record: Record, params: dict[str, Tensor]
+    ) -> tuple[list[str], list[tuple[str, int]]]:
+        """Parameters this call alone uses in the pass, and shared ones with their use count."""
+        direct, shared = [], []
+        unreached = not self.layout.reached(record)
+        for name, p in params.items():
+            uses = self.uses(p)
+            if uses <= 1 and not unreached:
+                direct.append(name)
+            else:
+                shared.append((name, max(uses + unreached, 1)))
+        return direct, shared
 
     # --- first order ---------------------------------------------------------------------------
     def _run_first_order(self, record: Record, grads: tuple[Tensor | None, ...]) -> bool:
@@ -516,55 +593,94 @@ class Engine:
         grads = tuple(
             torch.zeros_like(o) if g is None else g for g, o in zip(grads, record.outputs)
         )
-        batch_size = rule.batch_size(record)
-        direct, shared = [], []
-        for name, p in params.items():
-            uses = sum(len(live_records(m)) for m in param_owners(p))
-            (shared if uses > 1 else direct).append(name)
+        placement = self.layout.placement(record)
+        direct, shared = self._split_uses(record, params)
         if direct:
             with torch.no_grad():
-                quantities = _Quantities(rule, record, grads, direct, batch_size)
-                variances = [e for e in builtin if e.quantity == "variance"]
-                for ext in builtin:
-                    if ext.quantity == "variance":
-                        continue
-                    values = quantities.get(ext.quantity, ext.get_subsampling())
-                    for name in direct:
-                        setattr(params[name], ext.savefield, values[name])
-                sgs = quantities.get("sum_grad_squared") if variances else {}
-                # nobody else stores these sums: the variance may be computed in their place
-                private = len(variances) == 1 and all(
-                    e.quantity != "sum_grad_squared" for e in builtin
-                )
-                if variances:
-                    # the fallback below may run after the record is freed
-                    quantities.record = _snapshot(record)
-                psg = quantities._psg
-                for name in direct:
-                    part = None if psg is None else psg[name]
-                    wait = bool(variances) and variance_waits_for_grad(params[name])
-                    coverage = self._cover(record, grads, rule, name, params[name], part, wait)
-                    for ext in variances:
-                        fallback = partial(_grad_sum_of, quantities, name)
-                        if wait:
-                            entry = (ext.savefield, sgs[name], batch_size, fallback, private)
-                            coverage.pending.append(entry)
-                            continue
-                        variance = _variance_from_sums(sgs[name], fallback(), batch_size, private)
-                        setattr(params[name], ext.savefield, variance)
-        for name in shared:
+                self._first_order_direct(record, grads, rule, builtin, params, direct, placement)
+        for name, uses in shared:
             p = params[name]
-            acc = self._accumulators.get(p)
+            if id(p) in self._written:
+                raise RuntimeError(
+                    f"Parameter {name} of {describe(module)} is used by a module call that "
+                    "reaches none of the extended loss functions of this backward and by one "
+                    "that does. Extend every loss function of the backward "
+                    "(backpack.extend(loss))."
+                )
+            acc = self._accumulators.get(id(p))
             if acc is None:
-                uses = sum(len(live_records(m)) for m in param_owners(p))
-                acc = self._accumulators[p] = _Accumulator(p, uses, batch_size)
+                acc = self._accumulators[id(p)] = _Accumulator(p, uses)
             with torch.no_grad():
                 psg = rule.per_sample_grads(record, grads, [name])[name]
-                acc.add(psg)
+                acc.add(psg, placement, record)
                 self._cover(record, grads, rule, name, p, psg, always=True)
             if acc.seen >= acc.expected:
                 self._finalize_accumulator(acc)
-        return any(p in self._accumulators for p in params.values())
+        return any(id(p) in self._accumulators for p in params.values())
+
+    def _first_order_direct(
+        self,
+        record: Record,
+        grads: tuple,
+        rule: ModuleRule,
+        builtin: list[FirstOrderBackpropExtension],
+        params: dict[str, Tensor],
+        direct: list[str],
+        placement: tuple[int, int] | None,
+    ) -> None:
+        """First-order quantities of parameters only this call uses in the pass."""
+        batch_size = rule.batch_size(record)
+        n = batch_size if placement is None else placement[1]
+        quantities = _Quantities(rule, record, grads, direct, n)
+        variances = [e for e in builtin if e.quantity == "variance"]
+        for ext in builtin:
+            if ext.quantity == "variance":
+                continue
+            subsampling = ext.get_subsampling()
+            if placement is not None and subsampling is not None:
+                # sample indices refer to all the pass's samples
+                values = quantities.get(ext.quantity)
+                index = torch.as_tensor(subsampling, dtype=torch.long)
+                values = {
+                    k: _place(ext.quantity, v, placement)[index.to(v.device)]
+                    for k, v in values.items()
+                }
+            else:
+                values = quantities.get(ext.quantity, subsampling)
+                values = {k: _place(ext.quantity, v, placement) for k, v in values.items()}
+            for name in direct:
+                setattr(params[name], ext.savefield, values[name])
+        for name in direct:
+            self._written.add(id(params[name]))
+        sgs = quantities.get("sum_grad_squared") if variances else {}
+        # nobody else stores these sums: the variance may be computed in their place
+        private = len(variances) == 1 and all(e.quantity != "sum_grad_squared" for e in builtin)
+        if variances:
+            # the fallback below may run after the record is freed
+            quantities.record = _snapshot(record)
+        psg = quantities._psg
+        for name in direct:
+            part = None if psg is None else psg[name]
+            wait = bool(variances) and variance_waits_for_grad(params[name])
+            coverage = self._cover(record, grads, rule, name, params[name], part, wait)
+            for ext in variances:
+                fallback = partial(_grad_sum_of, quantities, name)
+                if wait:
+                    coverage.pending.append((ext.savefield, sgs[name], n, fallback, private))
+                    continue
+                variance = _variance_from_sums(sgs[name], fallback(), n, private)
+                setattr(params[name], ext.savefield, variance)
+
+    def _finalize_accumulator(self, acc: _Accumulator) -> None:
+        self._accumulators.pop(id(acc.param), None)
+        with torch.no_grad():
+            psg = acc.per_sample_grads()
+            if psg is None:
+                return
+            quantities = _Quantities(None, None, (), ["p"], psg.shape[0], psg={"p": psg})
+            for ext in self.first_order:
+                value = quantities.get(ext.quantity, ext.get_subsampling())["p"]
+                setattr(acc.param, ext.savefield, value)
 
     # --- second order --------------------------------------------------------------------------
     def _run_second_order(self, record: Record, grads: tuple[Tensor | None, ...]) -> bool:
@@ -574,7 +690,7 @@ class Engine:
         if not params:
             return False
         exts = self.second_order
-        names = ", ".join(e.__class__.__name__ for e in exts)
+        names = _names(exts)
         if not self.loss_seen:
             raise RuntimeError(
                 f"{names} could not find an extended loss function in this backward pass. "
@@ -585,7 +701,7 @@ class Engine:
         if rule is None:
             rule = _GENERIC_RULE
         if rule.mixes_samples(record):
-            raise NotImplementedError(f"{names} are {_mixing_message(module)}")
+            raise NotImplementedError(f"{names} {_is_are(exts)} {_mixing_message(module)}")
         record.check_unmodified(exts[0].__class__.__name__)
         filled = tuple(
             torch.zeros_like(o) if g is None else g for g, o in zip(grads, record.outputs)
@@ -593,32 +709,40 @@ class Engine:
         with torch.no_grad():
             for name, p in params.items():
                 self._cover(record, filled, rule, name, p, None)
-        direct, shared = [], []
-        for name, p in params.items():
-            uses = sum(len(live_records(m)) for m in param_owners(p))
-            (shared if uses > 1 else direct).append(name)
+        placement = self.layout.placement(record)
+        direct, shared = self._split_uses(record, params)
         if direct:
             with torch.no_grad():
                 for ext in exts:
                     if ext.factor == "sum":
                         continue  # KFRA writes its factors from the module chain
-                    values = self._second_order_values(ext, record, rule, direct)
+                    values = self._second_order_values(ext, record, rule, direct, placement)
                     for name in direct:
-                        setattr(params[name], ext.savefield, values[name])
-        for name in shared:
+                        if name in values:
+                            setattr(params[name], ext.savefield, values[name])
+        for name, uses in shared:
             p = params[name]
-            acc = self._second_acc.get(p)
-            if acc is None:
-                uses = sum(len(live_records(m)) for m in param_owners(p))
-                acc = self._second_acc[p] = _SecondOrderAccumulator(p, uses)
-            with torch.no_grad():
-                acc.add(self, record, rule, name)
-            if acc.seen >= acc.expected:
-                self._finalize_second(acc)
-        return any(p in self._second_acc for p in params.values())
+            curvature = self._curvatures.get(id(p))
+            if curvature is None:
+                curvature = self._curvatures[id(p)] = _ParamCurvature(p, name, uses)
+            curvature.add(record, rule, placement)
+            if curvature.seen >= curvature.expected:
+                self._finalize_curvature(curvature)
+        return any(id(p) in self._curvatures for p in params.values())
+
+    def _simple_sqrt(self, ext: SecondOrderBackpropExtension, record: Record, placement) -> bool:
+        """Whether a call's square root is its only term's factor as is (no assembly)."""
+        terms = secondorder.terms_for(record, ext)
+        columns = self.loss_columns.get(ext.factor_key, {})
+        return placement is None and len(columns) <= 1 and len(terms) == 1 and terms[0][2] > 0
 
     def _second_order_values(
-        self, ext: SecondOrderBackpropExtension, record: Record, rule: ModuleRule, names: list
+        self,
+        ext: SecondOrderBackpropExtension,
+        record: Record,
+        rule: ModuleRule,
+        names: list,
+        placement: tuple[int, int] | None,
     ) -> dict[str, Any]:
         entries = secondorder.entries_for(record, ext)
         module = record.module
@@ -626,27 +750,234 @@ class Engine:
             per_sample = ext.output == "batch_diag"
             if not entries:
                 n = rule.batch_size(record) if per_sample else None
-                return secondorder.zero_like_params(module, names, n)
-            return secondorder.reduce_entries(record, entries, names, per_sample, rule)
+                values = secondorder.zero_like_params(module, names, n)
+            else:
+                values = secondorder.reduce_entries(record, entries, names, per_sample, rule)
+            if per_sample and placement is not None:
+                values = {k: _place_rows(v, *placement) for k, v in values.items()}
+            return values
         if ext.output == "sqrt":
-            return rule.sqrt_factor(record, entries[0].factors, names, ext.get_subsampling())
+            self._check_signs(ext, record)
+            terms = secondorder.terms_for(record, ext)
+            if self._simple_sqrt(ext, record, placement):
+                return rule.sqrt_factor(record, terms[0][1], names, ext.get_subsampling())
+            # several losses or sets of samples: the pieces are assembled when the pass ends
+            rows = rule.batch_size(record) if placement is None else placement[1]
+            for name in names:
+                self._pieces(ext, getattr(module, name), rows)
+            for pos, factors, _ in terms:
+                pieces = rule.sqrt_factor(record, factors, names)
+                for name in names:
+                    self._pieces(ext, getattr(module, name), rows).add(pos, placement, pieces[name])
+            return {}
         if ext.output == "kron":
-            kron = rule.kron_factors(record, entries[0].factors, names)
+            self._check_signs(ext, record)
+            factors = secondorder.joint_factors(record, ext)
+            kron = None if factors is None else rule.kron_factors(record, factors, names)
+            if factors is None:
+                return {}
             if kron is None:
                 raise NotImplementedError(
                     f"Extension saving to {ext.savefield} ({ext.__class__.__name__}) does not "
-                    f"support module {module.__class__}: Kronecker factors are defined for "
-                    "Linear and convolution layers."
+                    f"support module {describe(module)} ({module.__class__}): Kronecker factors "
+                    "are defined for Linear and convolution layers."
                 )
             return kron
         # "mp": a matrix-product closure per parameter
         return {n: secondorder.matrix_product([(record, entries)], n) for n in names}
 
-    def _finalize_second(self, acc: _SecondOrderAccumulator) -> None:
-        self._second_acc.pop(acc.param, None)
+    def _check_signs(self, ext: SecondOrderBackpropExtension, record: Record) -> None:
+        for pos, _, sign in secondorder.terms_for(record, ext):
+            if sign < 0:
+                loss = self.layout.losses[pos].module if self.layout.losses else None
+                what = describe(loss) if loss is not None else "a loss function"
+                raise NotImplementedError(
+                    f"{ext.__class__.__name__}: {what} enters this backward with a negative "
+                    "weight, so its curvature has no real square root (nor Kronecker factors "
+                    "from one). Diagonals and matrix products (DiagGGNExact, GGNMP, ...) "
+                    "support negative weights."
+                )
+
+    def _pieces(
+        self, ext: SecondOrderBackpropExtension, param: Tensor, rows: int
+    ) -> _SqrtPieces:
+        key = (id(param), ext.savefield)
+        entry = self._sqrt_pieces.get(key)
+        if entry is None:
+            entry = self._sqrt_pieces[key] = (ext, _SqrtPieces(param, rows))
+        return entry[1]
+
+    def _assemble_sqrt(self) -> None:
+        """Store square roots that several losses or sets of samples contributed to."""
+        pending, self._sqrt_pieces = self._sqrt_pieces, {}
         with torch.no_grad():
-            for ext, value in acc.values().items():
-                setattr(acc.param, ext.savefield, value)
+            for ext, pieces in pending.values():
+                columns = {
+                    pos: v for pos, (v, _) in self.loss_columns.get(ext.factor_key, {}).items()
+                }
+                full = pieces.assemble(columns)
+                subsampling = ext.get_subsampling()
+                if subsampling is not None:
+                    index = torch.as_tensor(subsampling, dtype=torch.long, device=full.device)
+                    full = full[:, index]
+                setattr(pieces.param, ext.savefield, full)
+
+    def _finalize_curvature(self, curvature: _ParamCurvature) -> None:
+        """Second-order quantities of a parameter with several calls in the pass."""
+        self._curvatures.pop(id(curvature.param), None)
+        calls = curvature.calls
+        if not calls:
+            return
+        param, name = curvature.param, curvature.name
+        groups: dict[Any, list] = {}
+        for call in calls:
+            groups.setdefault(None if call[2] is None else call[2][0], []).append(call)
+        cross = any(len(members) > 1 for members in groups.values())
+        with torch.no_grad():
+            for ext in self.second_order:
+                if ext.factor == "sum":
+                    continue
+                value = self._shared_value(ext, param, name, calls, cross)
+                if value is not None:
+                    setattr(param, ext.savefield, value)
+
+    def _shared_value(
+        self,
+        ext: SecondOrderBackpropExtension,
+        param: Tensor,
+        name: str,
+        calls: list[tuple[Record, ModuleRule, tuple[int, int] | None]],
+        cross: bool,
+    ) -> Any:
+        label = f"parameter {name} of {describe(calls[0][0].module)}"
+        if ext.output == "mp":
+            return self._shared_product(ext, name, calls)
+        if ext.output == "kron":
+            if cross:
+                warnings.warn(
+                    f"{ext.__class__.__name__} skips {label}: it is used several times on the "
+                    "same samples (weight sharing), for which Kronecker factors are not "
+                    "defined here. The other parameters get their factors.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+                return None
+            return self._shared_kron(ext, name, calls)
+        if ext.residual is not None:
+            if cross:
+                raise NotImplementedError(
+                    f"{ext.__class__.__name__} does not support {label}: it is used several "
+                    "times on the same samples (the Hessian's cross terms between the uses are "
+                    "not computed). Use DiagGGNExact or GGNMP, or a model without reuse."
+                )
+            total = None
+            for record, rule, placement in calls:
+                values = self._second_order_values(ext, record, rule, [name], placement)
+                value = values[name]
+                total = value if total is None else total + value
+            return total
+        if ext.output in ("diag", "batch_diag") and not cross:
+            total = None
+            for record, rule, placement in calls:
+                value = self._second_order_values(ext, record, rule, [name], placement)[name]
+                total = value if total is None else total + value
+            return total
+        # square roots of all calls (cross terms between calls on the same samples included)
+        record, rule, placement = calls[0]
+        pieces = _SqrtPieces(param, rule.batch_size(record) if placement is None else placement[1])
+        columns = {p: v for p, (v, _) in self.loss_columns.get(ext.factor_key, {}).items()}
+        signs = {p: s for p, (_, s) in self.loss_columns.get(ext.factor_key, {}).items()}
+        for record, rule, placement in calls:
+            if ext.output == "sqrt":
+                self._check_signs(ext, record)
+            for pos, factors, _ in secondorder.terms_for(record, ext):
+                piece = rule.sqrt_factor(record, factors, [name])[name]
+                pieces.add(pos, placement, piece)
+        full = pieces.assemble(columns)
+        if ext.output == "sqrt":
+            subsampling = ext.get_subsampling()
+            if subsampling is not None:
+                full = full[:, torch.as_tensor(subsampling, dtype=torch.long, device=full.device)]
+            return full
+        sign = torch.cat(
+            [full.new_full((columns[p],), signs.get(p, 1.0)) for p in sorted(columns)]
+        ).reshape(-1, *([1] * (full.dim() - 1)))
+        squares = full.square() * sign
+        return squares.sum(0) if ext.output == "batch_diag" else squares.sum((0, 1))
+
+    def _shared_kron(
+        self,
+        ext: SecondOrderBackpropExtension,
+        name: str,
+        calls: list[tuple[Record, ModuleRule, tuple[int, int] | None]],
+    ) -> list[Tensor] | None:
+        """Kronecker factors of a parameter whose calls hold different samples.
+
+        The first factor sums over samples (it adds up); the others are means over a call's
+        samples (weighted by the calls' sample counts).
+        """
+        result: list[Tensor] | None = None
+        weights = 0
+        for record, rule, _ in calls:
+            self._check_signs(ext, record)
+            factors = secondorder.joint_factors(record, ext)
+            if factors is None:
+                continue
+            kron = rule.kron_factors(record, factors, [name])
+            if kron is None:
+                raise NotImplementedError(
+                    f"Extension saving to {ext.savefield} ({ext.__class__.__name__}) does not "
+                    f"support module {describe(record.module)}: Kronecker factors are defined "
+                    "for Linear and convolution layers."
+                )
+            n = rule.batch_size(record)
+            factors_of = kron[name]
+            if result is None:
+                result = [factors_of[0]] + [f * n for f in factors_of[1:]]
+            else:
+                result[0] = result[0] + factors_of[0]
+                for i, f in enumerate(factors_of[1:], 1):
+                    result[i] = result[i] + f * n
+            weights += n
+        if result is None:
+            return None
+        return [result[0]] + [f / weights for f in result[1:]]
+
+    def _shared_product(
+        self,
+        ext: SecondOrderBackpropExtension,
+        name: str,
+        calls: list[tuple[Record, ModuleRule, tuple[int, int] | None]],
+    ) -> Callable[[Tensor], Tensor]:
+        """Matrix products of a shared parameter: cross terms within each set of samples."""
+        groups: dict[Any, list] = {}
+        for record, _, placement in calls:
+            key = None if placement is None else placement[0]
+            groups.setdefault(key, []).append(record)
+        products = []
+        for records in groups.values():
+            if len(records) == 1:
+                entries = secondorder.entries_for(records[0], ext)
+                products.append(secondorder.matrix_product([(records[0], entries)], name))
+                continue
+            if ext.residual is not None:
+                raise NotImplementedError(
+                    f"{ext.__class__.__name__} does not support parameter {name} of "
+                    f"{describe(records[0].module)}: it is used several times on the same "
+                    "samples (the Hessian's cross terms between the uses are not computed)."
+                )
+            uses = secondorder.aligned_entries(records, ext)
+            products.append(secondorder.matrix_product(uses, name))
+        if len(products) == 1:
+            return products[0]
+
+        def product(mat: Tensor) -> Tensor:
+            result = products[0](mat)
+            for other in products[1:]:
+                result = result + other(mat)
+            return result
+
+        return product
 
     def _cover(
         self,
@@ -686,16 +1017,6 @@ class Engine:
             part = rule.grad_sum_entries(record, grads, name, coverage.index)
         coverage.add(part)
         return coverage
-
-    def _finalize_accumulator(self, acc: _Accumulator) -> None:
-        self._accumulators.pop(acc.param, None)
-        if acc.psg is None:
-            return
-        with torch.no_grad():
-            quantities = _Quantities(None, None, (), ["p"], acc.batch_size, psg={"p": acc.psg})
-            for ext in self.first_order:
-                value = quantities.get(ext.quantity, ext.get_subsampling())["p"]
-                setattr(acc.param, ext.savefield, value)
 
     def _rule_for(
         self, record: Record, exts: list[FirstOrderBackpropExtension]
@@ -827,13 +1148,32 @@ class backpack:  # noqa: N801 (public name of the original API)
 
     def __enter__(self) -> backpack:
         self._engine = Engine(self.exts, self.extension_hook, self.debug, self.retain_graph)
-        CTX.engines.append(self._engine)
+        CTX.push_engine(self._engine)
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, exc_type: object, *exc_info: object) -> None:
         engine = self._engine
         if engine is not None:
             engine.reset()
-            if engine in CTX.engines:
-                CTX.engines.remove(engine)
+            CTX.pop_engine(engine)
+            if exc_type is None and engine.extensions and engine.passes == 0:
+                _warn_nothing_extended(engine)
         self._engine = None
+
+
+_WARNED_NOTHING: list[bool] = []
+
+
+def _warn_nothing_extended(engine: Engine) -> None:
+    """Warn once per process: a context with extensions met no extended module."""
+    if _WARNED_NOTHING:
+        return
+    _WARNED_NOTHING.append(True)
+    warnings.warn(
+        f"backpack({', '.join(map(repr, engine.extensions))}) saw no extended module take part "
+        "in a backward pass, so it computed nothing. Call backpack.extend(model) (and "
+        "extend(lossfunc) for second-order extensions) before the forward pass, and run "
+        "loss.backward() inside the with-block.",
+        UserWarning,
+        stacklevel=3,
+    )

@@ -21,8 +21,7 @@ from torch.autograd.graph import GradientEdge
 
 from backpack.recording import (
     Record,
-    live_records,
-    param_owners,
+    describe,
     records_at,
     trainable_params,
     walk_nodes,
@@ -132,7 +131,7 @@ def _check_dim(shape: tuple[int, ...], where: str) -> None:
         )
 
 
-def _plan(loss_record: Record) -> list[tuple]:
+def _plan(engine: Engine, loss_record: Record) -> list[tuple]:
     """Walk the module chain from the loss without computing anything; check it is feasible.
 
     Returns steps ("sandwich", src, dst, src_shape) between modules, ("module", record, src, dst,
@@ -159,10 +158,10 @@ def _plan(loss_record: Record) -> list[tuple]:
             steps.append(("sandwich", edge, out_edge, shape))
         shape = out_shape
         trainable = list(trainable_params(record.module).values())
-        if any(sum(len(live_records(m)) for m in param_owners(p)) > 1 for p in trainable):
+        if any(engine.uses(p) > 1 for p in trainable):
             raise NotImplementedError(
-                f"KFRA does not support parameters used several times in one forward "
-                f"({name}); use KFLR or KFAC."
+                f"KFRA does not support parameters used several times in one backward "
+                f"({describe(record.module)}); use KFLR or KFAC."
             )
         if trainable:
             rule = find_rule(record.module)
@@ -175,6 +174,13 @@ def _plan(loss_record: Record) -> list[tuple]:
         if record.inplace:
             raise NotImplementedError(
                 f"KFRA cannot pass through the in-place module {record.module}; use inplace=False."
+            )
+        edges = [e for e in record.input_edges if e is not None]
+        if len(edges) > 1:
+            raise NotImplementedError(
+                "KFRA needs the model to be a chain of modules; "
+                f"{describe(record.module)} takes {len(edges)} inputs that depend on the "
+                "parameters (the graph branches). Use KFLR or KFAC for branching models."
             )
         in_edge = record.input_edges[0] if record.input_edges else None
         if in_edge is None or not _nearest_records(in_edge):
@@ -189,7 +195,7 @@ def _plan(loss_record: Record) -> list[tuple]:
 def start_kfra(engine: Engine, loss_record: Record, sum_hessian: Tensor) -> None:
     """Run the KFRA recursion from the loss down the module chain and store the factors."""
     exts = [e for e in engine.second_order if e.factor == "sum"]
-    steps = _plan(loss_record)
+    steps = _plan(engine, loss_record)
     n = loss_record.args[0].shape[0]
     gbar = sum_hessian
     roots = _Roots()

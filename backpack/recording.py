@@ -8,6 +8,8 @@ weak references, which the engine uses to count how often a module was used in a
 
 from __future__ import annotations
 
+import itertools
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -25,12 +27,28 @@ _LIVE_RECORDS: dict[int, list[weakref.ref[Record]]] = {}
 #: Keyed by id because tensors compare elementwise; entries die with their parameter.
 _PARAM_OWNERS: dict[int, weakref.WeakSet[nn.Module]] = {}
 
-#: sequence number of the autograd node that produced a module output -> weak references to
-#: (record, index of the output, output_nr). Sequence numbers grow monotonically per thread, so
-#: they identify nodes without keeping them (or their graphs) alive; the node's name guards
-#: against the rare clash between threads.
-_NODE_RECORDS: dict[int, list[tuple[weakref.ref[Record], int, int, str]]] = {}
-_NODE_RECORDS_PRUNE_AT = [1024]
+#: key of the records a node's `metadata` holds (the module calls that node produced)
+_META_KEY = "backpack_records"
+#: guards the registries above against concurrent forwards in several threads
+_LOCK = threading.RLock()
+#: creation order of records (losses of one backward are ordered by it)
+_ORDER = itertools.count()
+#: module classes whose calls are loss calls (the loss rules register theirs)
+LOSS_CLASSES: set[type] = {nn.modules.loss._Loss}
+#: records of loss calls whose graphs may still exist
+_LOSS_RECORDS: weakref.WeakSet[Record] = weakref.WeakSet()
+
+
+def is_loss_module(module: nn.Module) -> bool:
+    """Whether calls of `module` are loss calls (they define the samples of a backward)."""
+    return isinstance(module, tuple(LOSS_CLASSES))
+
+
+def describe(module: nn.Module) -> str:
+    """How messages name a module: its path in the extended model and its class."""
+    path = module.__dict__.get("_backpack_path")
+    name = module.__class__.__name__
+    return f"'{path}' ({name})" if path else name
 
 
 class Record:
@@ -50,6 +68,9 @@ class Record:
         "extra",
         "_input_edges",
         "inplace",
+        "identity",
+        "thread",
+        "order",
         "__weakref__",
     )
 
@@ -78,6 +99,13 @@ class Record:
         #: autograd edges of the tensor inputs (None where an input needs no grad or aliases
         #: an output, which would make the graph own a reference to itself)
         self.input_edges: tuple[Any, ...] = ()
+        self.inplace = False
+        #: the call returned its input unchanged (Identity, Dropout in eval mode): graph walks
+        #: look through it
+        self.identity = False
+        #: the thread that ran the forward (CUDA backward hooks run on other threads)
+        self.thread = threading.get_ident()
+        self.order = next(_ORDER)
 
     @property
     def input0(self) -> Tensor:
@@ -117,7 +145,7 @@ class Record:
         for arg, version in zip(self.args, self.versions):
             if isinstance(arg, Tensor) and version is not None and arg._version != version:
                 raise RuntimeError(
-                    f"The input of {self.module.__class__.__name__} ({self.module}) was modified "
+                    f"The input of {describe(self.module)} was modified "
                     f"in place after its forward, so {extension_name} cannot use it. Make the "
                     "in-place operation that follows this module out-of-place (e.g. "
                     "inplace=False, `x = x + y` instead of `x += y`)."
@@ -126,13 +154,23 @@ class Record:
 
 def _remember(module: nn.Module, record: Record) -> None:
     key = id(module)
-    refs = _LIVE_RECORDS.get(key)
-    if refs is None:
-        refs = _LIVE_RECORDS[key] = []
-        weakref.finalize(module, _LIVE_RECORDS.pop, key, None)
-    elif len(refs) >= 4:
-        refs[:] = [r for r in refs if r() is not None]
-    refs.append(weakref.ref(record))
+    with _LOCK:
+        refs = _LIVE_RECORDS.get(key)
+        if refs is None:
+            refs = _LIVE_RECORDS[key] = []
+            weakref.finalize(module, _LIVE_RECORDS.pop, key, None)
+        elif len(refs) >= 4:
+            refs[:] = [r for r in refs if r() is not None]
+        refs.append(weakref.ref(record))
+        if is_loss_module(module) and not record.disabled:
+            _LOSS_RECORDS.add(record)
+
+
+def live_loss_records() -> list[Record]:
+    """Records of loss calls whose graphs may still be run backward, in creation order."""
+    with _LOCK:
+        found = [r for r in _LOSS_RECORDS if not r.freed]
+    return sorted(found, key=lambda r: r.order)
 
 
 def _records(module: nn.Module) -> list[Record]:
@@ -165,15 +203,16 @@ def _register_owners(module: nn.Module, params: dict[str, Any]) -> None:
     ids = tuple(map(id, params.values()))
     if module.__dict__.get("_backpack_owner_ids") == ids:
         return
-    for param in params.values():
-        if param is None:
-            continue
-        key = id(param)
-        owners = _PARAM_OWNERS.get(key)
-        if owners is None:
-            owners = _PARAM_OWNERS[key] = weakref.WeakSet()
-            weakref.finalize(param, _PARAM_OWNERS.pop, key, None)
-        owners.add(module)
+    with _LOCK:
+        for param in params.values():
+            if param is None:
+                continue
+            key = id(param)
+            owners = _PARAM_OWNERS.get(key)
+            if owners is None:
+                owners = _PARAM_OWNERS[key] = weakref.WeakSet()
+                weakref.finalize(param, _PARAM_OWNERS.pop, key, None)
+            owners.add(module)
     module.__dict__["_backpack_owner_ids"] = ids
 
 
@@ -243,6 +282,11 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
                 edges.append(a if node is None else GradientEdge(node, a.output_nr))
         record.input_edges = tuple(edges)
         record.inplace = inplace
+        if inplace and not module._parameters and len(out_tensors) == 1:
+            # the output is the input itself: an identity (its node is the producer's, which
+            # already carries records) or an in-place operation (a node of its own)
+            node = out_tensors[0].grad_fn
+            record.identity = node is None or _META_KEY in node.metadata
         params = module._parameters
         if params:
             _register_owners(module, params)
@@ -276,15 +320,12 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
         torch.autograd.graph.register_multi_grad_hook(out_tensors, _multi_hook)
     else:
         _hook_output_nodes(record, out_tensors)
-    if not disabled:
-        ref = weakref.ref(record)
+    if not disabled and not record.identity:
+        # the producing nodes own the record too: graph walks find it there
         for nr, tensor in enumerate(out_tensors):
             node = tensor.grad_fn
             if node is not None:
-                entry = (ref, nr, tensor.output_nr, node.name())
-                _NODE_RECORDS.setdefault(node._sequence_nr(), []).append(entry)
-        if len(_NODE_RECORDS) > _NODE_RECORDS_PRUNE_AT[0]:
-            _prune_node_records()
+                node.metadata.setdefault(_META_KEY, []).append((record, nr, tensor.output_nr))
 
 
 def _hook_output_nodes(record: Record, out_tensors: list[Tensor]) -> None:
@@ -308,27 +349,13 @@ def _hook_output_nodes(record: Record, out_tensors: list[Tensor]) -> None:
             members: tuple[tuple[int, int], ...] = tuple(members),
             nodes: int = len(groups),
         ) -> None:
-            engine = CTX.engine
+            if CTX.propagating:
+                return
+            engine = CTX.engine_for(record.thread)
             if engine is not None:
                 engine.on_module_output_part(record, [(i, grads[nr]) for i, nr in members], nodes)
 
         node.register_prehook(_part_hook)
-
-
-def _prune_node_records() -> None:
-    # Entries are in creation order and graphs mostly die oldest first: drop dead entries from
-    # the front, and scan everything only when live ones block that.
-    dead = []
-    for key, entries in _NODE_RECORDS.items():
-        if any(e[0]() is not None for e in entries):
-            break
-        dead.append(key)
-    for key in dead:
-        del _NODE_RECORDS[key]
-    if len(_NODE_RECORDS) > _NODE_RECORDS_PRUNE_AT[0] // 2:
-        for key in [k for k, v in _NODE_RECORDS.items() if all(e[0]() is None for e in v)]:
-            del _NODE_RECORDS[key]
-        _NODE_RECORDS_PRUNE_AT[0] = max(1024, 2 * len(_NODE_RECORDS))
 
 
 def walk_nodes(stack: list[Any]) -> Iterator[Any]:
@@ -347,22 +374,22 @@ def walk_nodes(stack: list[Any]) -> Iterator[Any]:
         yield node
 
 
-def records_at(node: Any) -> list[tuple[Record, int, int]]:
-    """Live records whose module output the autograd `node` produced: (record, index, nr)."""
-    entries = _NODE_RECORDS.get(node._sequence_nr())
+def records_at(node: Any, freed: bool = False) -> list[tuple[Record, int, int]]:
+    """Records whose module output the autograd `node` produced: (record, index, nr).
+
+    Calls that returned their input unchanged are left out (walks look through them); so are
+    records already freed, unless `freed`.
+    """
+    entries = node.metadata.get(_META_KEY)
     if not entries:
         return []
-    name = node.name()
-    found = []
-    for ref, index, output_nr, node_name in entries:
-        record = ref()
-        if record is not None and not record.freed and node_name == name:
-            found.append((record, index, output_nr))
-    return found
+    return [(r, i, nr) for r, i, nr in entries if freed or not r.freed]
 
 
 def _dispatch(record: Record, grads: tuple[Tensor | None, ...]) -> None:
-    engine = CTX.engine
+    if CTX.propagating:
+        return
+    engine = CTX.engine_for(record.thread)
     if engine is not None:
         engine.on_module_backward(record, grads)
 
@@ -392,12 +419,15 @@ def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) 
 
         module = convert_module_to_backpack(module, debug)
     for name, sub in module.named_modules():
+        if name or "_backpack_path" not in sub.__dict__:
+            # messages name modules by their path in the outermost model extended so far
+            sub.__dict__["_backpack_path"] = name
         if getattr(sub, "_backpack_extend", False):
             continue
         if not _is_leaf_or_parametrized(sub):
             continue
         handle = sub.register_forward_hook(_forward_hook, with_kwargs=True)
-        CTX.add_hook_handle(handle)
+        CTX.add_hook_handle(handle, sub)
         sub._backpack_extend = True
         if debug:
             print(f"[backpack] extending {name or '<root>'}: {sub.__class__.__name__}")

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 
 from backpack.context import CTX
-from backpack.recording import Record, records_at, trainable_params, walk_nodes
+from backpack.recording import Record, describe, records_at, trainable_params, walk_nodes
 from backpack.rules import find_rule
 from backpack.rules.activations import (
     elementwise_derivative,
@@ -137,8 +137,7 @@ def propagate(
     """
     if not targets:
         return []
-    engine.propagating = True
-    try:
+    with CTX.propagation():
         if loop and factor.shape[0] <= _LOOP_MAX_COLUMNS:
             return _propagate_columns(output_edge, targets, factor)
         try:
@@ -155,8 +154,6 @@ def propagate(
         except RuntimeError:
             # some operation has no batching rule: one vector-Jacobian product per column
             return _propagate_columns(output_edge, targets, factor)
-    finally:
-        engine.propagating = False
 
 
 def _propagate_columns(
@@ -187,21 +184,56 @@ _GENERIC = FuncRule()
 
 
 class Entry:
-    """One term of a curvature block: Σ_{v,n} coef[v,n] · (Jᵀ f_vn)(Jᵀ f_vn)ᵀ.
+    """One term of a curvature block: sign · Σ_{v,n} coef[v,n] · (Jᵀ f_vn)(Jᵀ f_vn)ᵀ.
 
     `factors[i]` is the factor at the module's i-th output, `[V, N, *out_i]` (None if that output
-    does not influence the loss); `coef` is None (all ones) or `[V, N]`.
+    does not influence the loss); `coef` is None (all ones) or `[V, N]`; `sign` is -1 for a loss
+    that enters the backward with a negative weight.
     """
 
-    __slots__ = ("factors", "coef")
+    __slots__ = ("factors", "coef", "sign")
 
-    def __init__(self, factors: list[Tensor | None], coef: Tensor | None = None) -> None:
+    def __init__(
+        self, factors: list[Tensor | None], coef: Tensor | None = None, sign: float = 1.0
+    ) -> None:
         self.factors = factors
         self.coef = coef
+        self.sign = sign
 
 
 def _needs_residual(exts: list[SecondOrderBackpropExtension]) -> set[str]:
     return {e.residual for e in exts if e.residual is not None}
+
+
+#: autograd node names whose functional operation is not `torch.<lowercased name>`
+_OPERATION_NAMES = {
+    "MulBackward0": "a product of two tensors that both depend on the parameters (*)",
+    "MulBackward1": "a product of two tensors that both depend on the parameters (*)",
+    "DivBackward0": "a quotient of two tensors that both depend on the parameters (/)",
+    "DivBackward1": "a quotient of two tensors that both depend on the parameters (/)",
+    "PowBackward0": "torch.pow (**)",
+    "PowBackward1": "torch.pow (**)",
+    "GeluBackward0": "torch.nn.functional.gelu",
+    "SiluBackward0": "torch.nn.functional.silu",
+    "EluBackward0": "torch.nn.functional.elu",
+    "SoftplusBackward0": "torch.nn.functional.softplus",
+    "LogSoftmaxBackward0": "torch.log_softmax",
+    "SoftmaxBackward0": "torch.softmax",
+    "MmBackward0": "a matrix product of two tensors that both depend on the parameters (@)",
+    "BmmBackward0": "a matrix product of two tensors that both depend on the parameters (@)",
+}
+
+
+def operation_name(node_name: str) -> str:
+    """The user-facing name of the functional operation behind an autograd node."""
+    known = _OPERATION_NAMES.get(node_name)
+    if known is not None:
+        return f"the functional operation {known}"
+    base = node_name.split("::")[-1]
+    while base and base[-1].isdigit():
+        base = base[:-1]
+    base = base.removesuffix("Backward")
+    return f"the functional operation torch.{base.lower()} (autograd node {node_name})"
 
 
 def check_module_graph(loss_record: Record, exts: list[SecondOrderBackpropExtension]) -> None:
@@ -218,7 +250,7 @@ def check_module_graph(loss_record: Record, exts: list[SecondOrderBackpropExtens
                 module = record.module
                 if not is_curvature_free(module) and find_activation_rule(module) is None:
                     raise NotImplementedError(
-                        f"{names} cannot handle {module.__class__.__name__} ({module}): its "
+                        f"{names} cannot handle {describe(module)}: its "
                         "second derivatives are not supported. Supported are elementwise "
                         "activation modules and layers that are linear in their input."
                     )
@@ -231,54 +263,67 @@ def check_module_graph(loss_record: Record, exts: list[SecondOrderBackpropExtens
         operands = sum(n is not None for n, _ in node.next_functions)
         linear_product = name in _LINEAR_IF_ONE_OPERAND and operands <= 1
         if name not in _CURVATURE_FREE_NODES and not linear_product:
+            verb = "needs" if len(exts) == 1 else "need"
             raise NotImplementedError(
-                f"{names} need every nonlinear operation between the parameters and the loss "
-                f"to be an extended module, but found the functional operation {name} outside "
-                "any module. Replace it by its module (e.g. torch.tanh -> nn.Tanh()) or extend "
+                f"{names} {verb} every nonlinear operation between the parameters and the loss "
+                f"to be an extended module, but found {operation_name(name)} outside any "
+                "module. Replace it by its module (e.g. torch.tanh -> nn.Tanh()) or extend "
                 "the model with extend(model, use_converter=True)."
             )
         stack.extend(n for n, _ in node.next_functions)
 
 
 def on_loss_backward(engine: Engine, record: Record, grads: tuple[Tensor | None, ...]) -> None:
-    """Factorise the loss Hessian and propagate it to all parametrized module outputs."""
+    """Factorise the loss Hessian and propagate it to all parametrized module outputs.
+
+    The weight w with which the loss enters the backward (the gradient reaching its output:
+    `0.3 * l1 + l2` gives 0.3) scales its curvature: factors carry sqrt(|w|) and the sign of w.
+    Each loss of a backward adds its own term (columns) to every module call it reaches.
+    """
     exts = engine.second_order
     module = record.module
     rule = find_loss_rule(module)
     names = ", ".join(e.__class__.__name__ for e in exts)
     if rule is None:
         raise NotImplementedError(
-            f"{names} does not support the loss function {module.__class__.__name__}. Supported: "
-            "MSELoss, CrossEntropyLoss, BCEWithLogitsLoss."
+            f"{names} {'does' if len(exts) == 1 else 'do'} not support the loss function "
+            f"{describe(module)}. Supported: MSELoss, CrossEntropyLoss, BCEWithLogitsLoss."
         )
     for ext in exts:
         rule.check(module, ext.__class__.__name__)
     scale = grads[0]
     if scale is None or scale.numel() != 1:
-        raise NotImplementedError(f"{names} needs a scalar loss.")
-    scale_value = float(scale)
-    if scale_value < 0:
         raise NotImplementedError(
-            f"{names}: the loss enters the differentiated quantity with a negative factor "
-            f"({scale_value}), so its curvature has no real square root."
+            f"{names} {'needs' if len(exts) == 1 else 'need'} a scalar loss "
+            f"({describe(module)} has reduction='none'?)."
         )
+    scale_value = float(scale)
+    sign = -1.0 if scale_value < 0 else 1.0
+    weight = abs(scale_value)
     engine.loss_seen = True
     out_edge = record.input_edges[0] if record.input_edges else None
-    if out_edge is None:
+    if out_edge is None or not math.isfinite(scale_value):
         return
     if _needs_residual(exts):
         # KFRA needs no such check: its recursion only uses Jacobians (see backpack.kfra)
         check_module_graph(record, [e for e in exts if e.residual])
     found = [(r, i, e) for r, i, e in graph_records(out_edge) if _is_parametrized(r)]
     keys = sorted({e.factor_key for e in exts if e.factor != "sum"})
+    pos = engine.layout.loss_position(record)
     if keys:
+        positions = rows_within_samples(record, out_edge, found)
         factors = []
         for key in keys:
             if key[0] == "exact":
                 s = rule.sqrt_hessian(record)
             else:
                 s = rule.sqrt_hessian_sampled(record, key[1])
-            factors.append(s * scale_value**0.5 if scale_value != 1 else s)
+            if weight != 1:
+                s = s * weight**0.5
+            if positions is not None:
+                s = _spread_columns(s, *positions)
+            factors.append(s)
+            engine.loss_columns.setdefault(key, {})[pos] = (s.shape[0], sign)
         sizes = [f.shape[0] for f in factors]
         convolutional = any(isinstance(r.module, nn.modules.conv._ConvNd) for r, _, _ in found)
         results = propagate(
@@ -288,12 +333,174 @@ def on_loss_backward(engine: Engine, record: Record, grads: tuple[Tensor | None,
             per_key = target.extra.setdefault("factors", {})
             parts = [None] * len(sizes) if result is None else result.split(sizes)
             for key, part in zip(keys, parts):
-                slot = per_key.setdefault(key, [None] * len(target.outputs))
-                slot[index] = part
+                slot = per_key.setdefault(key, {}).setdefault(
+                    pos, ([None] * len(target.outputs), sign)
+                )
+                slot[0][index] = part
     if any(e.factor == "sum" for e in exts):
         from backpack.kfra import start_kfra
 
+        if len(engine.layout.losses) > 1:
+            raise NotImplementedError(
+                "KFRA needs a single extended loss in the backward pass (its recursion follows "
+                f"one module chain), but this one has {len(engine.layout.losses)}. Use KFLR or "
+                "KFAC, whose factors add up over losses."
+            )
+        if rows_within_samples(record, out_edge, found) is not None:
+            raise NotImplementedError(
+                "KFRA needs the rows of the loss input to be the model's samples; "
+                f"{describe(module)} gets a flattened output. Use KFLR or KFAC."
+            )
         start_kfra(engine, record, rule.sum_hessian(record) * scale_value)
+
+
+#: autograd nodes that only move entries around (a loss input reaching modules through them
+#: can be mapped row by row to the modules' samples)
+_INDEX_NODES = {
+    "ViewBackward0",
+    "ReshapeAliasBackward0",
+    "UnsafeViewBackward0",
+    "PermuteBackward0",
+    "TransposeBackward0",
+    "TransposeBackward1",
+    "TBackward0",
+    "CloneBackward0",
+    "SqueezeBackward0",
+    "SqueezeBackward1",
+    "SqueezeBackward2",
+    "SqueezeBackward3",
+    "SqueezeBackward4",
+    "UnsqueezeBackward0",
+    "SliceBackward0",
+    "SelectBackward0",
+    "IndexBackward0",
+    "CatBackward0",
+    "StackBackward0",
+    "SplitBackward0",
+    "SplitWithSizesBackward0",
+    "UnbindBackward0",
+    "FlattenBackward0",
+    "AsStridedBackward0",
+    "AliasBackward0",
+    "ToCopyBackward0",
+}
+
+
+def _nearest_outputs(edge: GradientEdge) -> list[tuple[Record, int, GradientEdge]] | None:
+    """Recorded module outputs first met walking back from `edge` through index-only nodes.
+
+    None if a node on the way computes something (then rows cannot be mapped to samples).
+    """
+    found: list[tuple[Record, int, GradientEdge]] = []
+    stack = [edge.node]
+    for node in walk_nodes(stack):
+        tags = records_at(node)
+        if tags:
+            found.extend((r, i, GradientEdge(node, nr)) for r, i, nr in tags)
+            continue
+        if node.name() not in _INDEX_NODES:
+            return None
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return found
+
+
+def _sample_axis(record: Record, index: int) -> int:
+    rule = find_rule(record.module)
+    if rule is None:
+        return 0
+    return rule.output_batch_axes(record)[index]
+
+
+def rows_within_samples(
+    record: Record, edge: GradientEdge, found: list[tuple[Record, int, GradientEdge]]
+) -> tuple[Tensor, int] | None:
+    """For a loss whose input rows are not the model's samples, each row's slot in its sample.
+
+    A token loss on flattened outputs (`logits.view(-1, C)` of `[N, T, C]`) has N·T rows. Its
+    factor's columns must not mix two rows of one sample (that would add cross terms between
+    positions), so each row gets a slot k (its position within its sample) and the columns are
+    spread over K slots. Which sample a row belongs to is read off a probe: row ids sent back to
+    the nearest module outputs. Returns (slot of each row, K), or None if rows are samples.
+    `found` are the parametrized calls the loss reaches.
+    """
+    out = record.args[0]
+    rows = out.shape[0] if out.dim() > 0 else 1
+    if rows <= 1 or not found:
+        return None
+    nearest = _nearest_outputs(edge)
+    if nearest is None:
+        # computation between the modules and the loss: rows must be samples
+        if rows not in {r.outputs[i].shape[_sample_axis(r, i)] for r, i, _ in found}:
+            _unmappable(record)
+        return None
+    if not nearest:
+        return None
+    sizes = {r.outputs[i].shape[_sample_axis(r, i)] for r, i, _ in nearest}
+    if sizes == {rows}:
+        return None
+    base = {torch.float16: 2048, torch.bfloat16: 256}.get(out.dtype, 2**24)
+    digits = max(1, math.ceil(math.log(rows + 1, base)))
+    ids = torch.arange(1, rows + 1, device=out.device)
+    shape = (rows,) + (1,) * (out.dim() - 1)
+    targets = [e for _, _, e in nearest]
+    per_digit = []
+    with CTX.propagation():
+        for d in range(digits):
+            probe = ((ids // base**d) % base).to(out.dtype).reshape(shape).expand(out.shape)
+            per_digit.append(
+                torch.autograd.grad([edge], targets, [probe], retain_graph=True, allow_unused=True)
+            )
+    owner = torch.full((rows,), -1, dtype=torch.long, device=out.device)
+    for j, (target, index, _) in enumerate(nearest):
+        if per_digit[0][j] is None:
+            continue
+        axis = _sample_axis(target, index)
+        values = None
+        for d, grads in enumerate(per_digit):
+            g = grads[j].movedim(axis, 0)
+            g = g.reshape(g.shape[0], -1).double()
+            rounded = g.round()
+            if bool((g - rounded).abs().max() > 0.25) or bool(rounded.min() < 0):
+                _unmappable(record)
+            values = rounded * base**d if values is None else values + rounded * base**d
+        row = values.long() - 1  # [N, M]; -1 where no row arrives
+        n = row.shape[0]
+        if bool((row >= rows).any()):
+            _unmappable(record)
+        valid = row >= 0
+        sample = torch.arange(n, device=row.device).unsqueeze(1).expand_as(row)[valid]
+        high = owner.clone().scatter_reduce_(0, row[valid], sample, "amax")
+        low = torch.full_like(owner, n).scatter_reduce_(0, row[valid], sample, "amin")
+        hit = low < n
+        if bool((high[hit] != low[hit]).any()) or bool(
+            ((owner[hit] >= 0) & (owner[hit] != high[hit])).any()
+        ):
+            _unmappable(record)
+        owner[hit] = high[hit]
+    order = torch.argsort(owner * rows + torch.arange(rows, device=owner.device))
+    sorted_owner = owner[order]
+    start = torch.searchsorted(sorted_owner, sorted_owner)
+    slot = torch.empty_like(owner)
+    slot[order] = torch.arange(rows, device=owner.device) - start
+    return slot, int(slot.max()) + 1
+
+
+def _unmappable(record: Record) -> None:
+    raise NotImplementedError(
+        f"The input of {describe(record.module)} has rows that are not the model's samples "
+        "(e.g. a loss on logits.view(-1, C)), and backpack cannot tell which sample each row "
+        "belongs to: the rows mix samples, or something other than reshaping lies between the "
+        "last extended module and the loss. Apply the loss to the module output reshaped "
+        "without computation (view/reshape/permute/flatten), or to [N, C, T] logits."
+    )
+
+
+def _spread_columns(factor: Tensor, slot: Tensor, slots: int) -> Tensor:
+    """`[V, R, *]` → `[V·K, R, *]`: column (v, k) holds the rows in slot k only."""
+    v, rows = factor.shape[0], factor.shape[1]
+    spread = factor.new_zeros(v, slots, *factor.shape[1:])
+    spread[:, slot, torch.arange(rows, device=factor.device)] = factor
+    return spread.reshape(v * slots, *factor.shape[1:])
 
 
 class DiagEntry:
@@ -654,15 +861,71 @@ def _propagate_residual(
             _add(target, key, mode, Entry(list(factors), flat_diags[mode][:, cols].T))
 
 
+def terms_for(
+    record: Record, ext: SecondOrderBackpropExtension
+) -> list[tuple[int, list[Tensor | None], float]]:
+    """The loss terms at `record`'s outputs for `ext`'s factor: (loss position, factors, sign)."""
+    per_loss = record.extra.get("factors", {}).get(ext.factor_key)
+    if not per_loss:
+        return []
+    return [(pos, factors, sign) for pos, (factors, sign) in sorted(per_loss.items())]
+
+
 def entries_for(record: Record, ext: SecondOrderBackpropExtension) -> list[Entry]:
-    """The curvature terms of `record` that `ext` sums: the GGN factor and its residuals."""
-    factors = record.extra.get("factors", {}).get(ext.factor_key)
-    entries: list[Any] = [] if factors is None else [Entry(factors)]
+    """The curvature terms of `record` that `ext` sums: each loss's GGN term and the residuals."""
+    entries: list[Any] = [Entry(f, sign=sign) for _, f, sign in terms_for(record, ext)]
     if ext.residual is not None:
         entries.extend(record.extra.get("residuals", {}).get(ext.residual, []))
         extra = "residuals_mp" if ext.output == "mp" else "residuals_diag"
         entries.extend(record.extra.get(extra, {}).get(ext.residual, []))
     return entries
+
+
+def joint_factors(record: Record, ext: SecondOrderBackpropExtension) -> list[Tensor | None] | None:
+    """All losses' factors at each output of `record`, columns concatenated (None if none)."""
+    terms = terms_for(record, ext)
+    if not terms:
+        return None
+    if len(terms) == 1:
+        return terms[0][1]
+    joint: list[Tensor | None] = []
+    for i in range(len(record.outputs)):
+        parts = [f[i] for _, f, _ in terms]
+        template = next((p for p in parts if p is not None), None)
+        if template is None:
+            joint.append(None)
+            continue
+        filled = [
+            template.new_zeros(_columns(f), *template.shape[1:]) if p is None else p
+            for p, (_, f, _) in zip(parts, terms)
+        ]
+        joint.append(torch.cat(filled))
+    return joint
+
+
+def _columns(factors: list[Tensor | None]) -> int:
+    return next(f.shape[0] for f in factors if f is not None)
+
+
+def aligned_entries(
+    records: list[Record], ext: SecondOrderBackpropExtension
+) -> list[tuple[Record, list[Entry]]]:
+    """Each call's GGN entries, one per loss of the pass at the same list position.
+
+    Matrix products of calls sharing samples pair entries by position (cross terms between the
+    calls); a call that a loss does not reach gets an empty entry there.
+    """
+    per_record = [{pos: (f, s) for pos, f, s in terms_for(r, ext)} for r in records]
+    positions = sorted({pos for terms in per_record for pos in terms})
+    uses = []
+    for record, terms in zip(records, per_record):
+        entries = []
+        for pos in positions:
+            factors, sign = terms.get(pos, ([None] * len(record.outputs), 1.0))
+            sign = next((t[pos][1] for t in per_record if pos in t), sign)
+            entries.append(Entry(factors, sign=sign))
+        uses.append((record, entries))
+    return uses
 
 
 def reduce_entries(
@@ -698,11 +961,16 @@ def reduce_entries(
                 i = entry.index
                 at_output[i] = entry.diag if i not in at_output else at_output[i] + entry.diag
         else:
+            if all(f is None for f in entry.factors):
+                continue
+            sign = getattr(entry, "sign", 1.0)
             found = None if to_diag is None else to_diag(record, entry.factors, entry.coef)
             if found is None:
-                add(rule.diag_from_factor(record, entry.factors, names, entry.coef, per_sample))
+                part = rule.diag_from_factor(record, entry.factors, names, entry.coef, per_sample)
+                add(part if sign > 0 else {k: -v for k, v in part.items()})
             else:
                 i, c = found
+                c = c if sign > 0 else -c
                 at_output[i] = c if i not in at_output else at_output[i] + c
     for index, diag in at_output.items():
         add(closed(record, index, diag, names, per_sample))
@@ -760,6 +1028,8 @@ def matrix_product(uses: list[tuple[Record, list[Entry]]], name: str) -> Callabl
             coef = uses[0][1][e].coef
             if coef is not None:
                 t = t * coef
+            if getattr(uses[0][1][e], "sign", 1.0) < 0:
+                t = -t
             for module, args, kwargs, req, entries, axes in snapshots:
                 cots = []
                 for f, axis in zip(entries[e].factors, axes):
