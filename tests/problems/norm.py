@@ -192,7 +192,10 @@ PROBLEMS = [
     ),
     # --- GroupNorm ---------------------------------------------------------------------------
     Problem(
-        "groupnorm-flat", lambda: around(nn.GroupNorm(2, 4), 4, nn.Sigmoid()), randn(6, 5), tags=TAGS
+        "groupnorm-flat",
+        lambda: around(nn.GroupNorm(2, 4), 4, nn.Sigmoid()),
+        randn(6, 5),
+        tags=TAGS,
     ),
     Problem(
         "groupnorm-conv1d",
