@@ -119,6 +119,13 @@ PROBLEMS = [
         tags=TAGS,
     ),
     Problem(
+        "layernorm-no-affine-between",
+        lambda: around(nn.LayerNorm(4, elementwise_affine=False), 4),
+        randn(6, 5),
+        lambda: nn.MSELoss(),
+        tags=TAGS,
+    ),
+    Problem(
         "layernorm-2d-shape",
         lambda: nn.Sequential(
             nn.Linear(4, 4),
