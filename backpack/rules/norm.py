@@ -55,7 +55,10 @@ class _PerSampleNormRule(ModuleRule):
 
     # --- layer-specific parts ----------------------------------------------------------------
     def normalised(self, record: Record, x: Tensor) -> Tensor:
-        """x̂ for a batched input `x` (any subset of the recorded samples), shaped like `x`."""
+        """x̂ for a batched input `x` (any subset of the recorded samples), shaped like `x`.
+
+        Always a new tensor: callers overwrite it.
+        """
         raise NotImplementedError
 
     def normalised_at(self, record: Record, x3: Tensor, index: Tensor) -> Tensor:
@@ -119,13 +122,12 @@ class _PerSampleNormRule(ModuleRule):
                 bias = bias.expand(*bias.shape[:lead], x.shape[0], bias.shape[-1])
             result["bias"] = bias
         if "weight" in names:
+            # a product and a sum beat einsum's permuted batched matmul here (measured on the
+            # CPU: 5-7x for the "npk" layout, on par for "nkp"); a single-sample g broadcasts
             xhat = self._view(record, self.normalised(record, x), 0)
-            letters = "vwxyz"[:lead]
-            if broadcast:
-                g3 = g3.squeeze(lead)
-            g_spec = letters + ("" if broadcast else "n") + self.layout[1:]
-            spec = f"{g_spec},{self.layout}->{letters}nk"
-            result["weight"] = torch.einsum(spec, g3, xhat)
+            # x̂ is a fresh tensor: multiply in place where shapes agree (one temporary less)
+            prod = xhat.mul_(g3) if g3.shape == xhat.shape else g3 * xhat
+            result["weight"] = prod.sum(lead + self._pos)
         return {n: v.reshape(*v.shape[: lead + 1], *shapes[n]) for n, v in result.items()}
 
     def _cached(self, record: Record, grad_outputs: GradOutputs, names: Names) -> dict:
@@ -199,7 +201,7 @@ class _PerSampleNormRule(ModuleRule):
             reduce = (0, self._pos)
             if "weight" in todo:
                 xhat = self._view(record, self.normalised(record, x), 0)
-                result["weight"] = torch.einsum(f"{self.layout},{self.layout}->k", g3, xhat)
+                result["weight"] = xhat.mul_(g3).sum(reduce)
             if "bias" in todo:
                 result["bias"] = g3.sum(reduce)
             shapes = self._shapes(record, todo)
@@ -220,7 +222,7 @@ class _PerSampleNormRule(ModuleRule):
         if name == "bias":
             return g_at.sum((0, self._pos))
         xhat = self.normalised_at(record, self._view(record, x, 0), index)
-        return torch.einsum(f"{self.layout},{self.layout}->k", g_at, xhat)
+        return (g_at * xhat).sum((0, self._pos))
 
     # --- second order ------------------------------------------------------------------------
     def _factor(self, record: Record, factors: Sequence[Tensor | None]) -> Tensor | None:
