@@ -431,7 +431,8 @@ def test_ggnmp_leaves_running_statistics_alone():
     model = extend(nn.Sequential(nn.Conv1d(2, 3, 2), norm, nn.Flatten(), nn.Linear(15, 2)))
     loss = extend(nn.CrossEntropyLoss())(model(torch.randn(4, 2, 6)), torch.randint(0, 2, (4,)))
     before = norm.running_mean.clone()
-    with backpack(GGNMP()):
+    with warnings.catch_warnings(), backpack(GGNMP()):
+        warnings.simplefilter("ignore")  # the coverage false positive of the test above
         loss.backward()
     norm.weight.ggnmp(torch.randn(2, 3))
     torch.testing.assert_close(norm.running_mean, before, rtol=0, atol=0)
