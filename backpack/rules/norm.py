@@ -47,6 +47,17 @@ from backpack.rules.base import GradOutputs, ModuleRule, Names, register_rule
 _CACHE = "norm_per_sample"
 
 
+def _times(xhat: Tensor, g: Tensor) -> Tensor:
+    """x̂ ⊙ g, overwriting the fresh x̂ where nothing broadcasts or promotes (one temporary less).
+
+    Followed by a sum over positions, this beats einsum's permuted batched matmul (on the CPU
+    5-7x for the "npk" layout, on par for "nkp").
+    """
+    if g.shape == xhat.shape and g.dtype == xhat.dtype:
+        return xhat.mul_(g)
+    return g * xhat
+
+
 class _PerSampleNormRule(ModuleRule):
     """Shared math of y = x̂ ⊙ γ + β with x̂ computed within each sample."""
 
@@ -125,9 +136,7 @@ class _PerSampleNormRule(ModuleRule):
             # a product and a sum beat einsum's permuted batched matmul here (measured on the
             # CPU: 5-7x for the "npk" layout, on par for "nkp"); a single-sample g broadcasts
             xhat = self._view(record, self.normalised(record, x), 0)
-            # x̂ is a fresh tensor: multiply in place where shapes agree (one temporary less)
-            prod = xhat.mul_(g3) if g3.shape == xhat.shape else g3 * xhat
-            result["weight"] = prod.sum(lead + self._pos)
+            result["weight"] = _times(xhat, g3).sum(lead + self._pos)
         return {n: v.reshape(*v.shape[: lead + 1], *shapes[n]) for n, v in result.items()}
 
     def _cached(self, record: Record, grad_outputs: GradOutputs, names: Names) -> dict:
@@ -201,7 +210,7 @@ class _PerSampleNormRule(ModuleRule):
             reduce = (0, self._pos)
             if "weight" in todo:
                 xhat = self._view(record, self.normalised(record, x), 0)
-                result["weight"] = xhat.mul_(g3).sum(reduce)
+                result["weight"] = _times(xhat, g3).sum(reduce)
             if "bias" in todo:
                 result["bias"] = g3.sum(reduce)
             shapes = self._shapes(record, todo)
