@@ -28,7 +28,7 @@ from backpack.extensions.backprop_extension import (
 )
 from backpack.extensions.firstorder.base import FirstOrderBackpropExtension
 from backpack.extensions.secondorder import SecondOrderBackpropExtension
-from backpack.recording import Record, describe, trainable_params
+from backpack.recording import Record, describe, get_param, trainable_params
 from backpack.rules import find_rule
 from backpack.rules.activations import find_activation_rule
 from backpack.rules.base import ModuleRule
@@ -764,27 +764,45 @@ class Engine:
             # several losses or sets of samples: the pieces are assembled when the pass ends
             rows = rule.batch_size(record) if placement is None else placement[1]
             for name in names:
-                self._pieces(ext, getattr(module, name), rows)
+                self._pieces(ext, get_param(module, name), rows)
             for pos, factors, _ in terms:
                 pieces = rule.sqrt_factor(record, factors, names)
                 for name in names:
-                    self._pieces(ext, getattr(module, name), rows).add(pos, placement, pieces[name])
+                    target = self._pieces(ext, get_param(module, name), rows)
+                    target.add(pos, placement, pieces[name])
             return {}
         if ext.output == "kron":
-            self._check_signs(ext, record)
-            factors = secondorder.joint_factors(record, ext)
-            kron = None if factors is None else rule.kron_factors(record, factors, names)
+            return self._kron(ext, record, rule, names) or {}
+        # "mp": a matrix-product closure per parameter
+        return {n: secondorder.matrix_product([(record, entries)], n) for n in names}
+
+    def _kron(
+        self, ext: SecondOrderBackpropExtension, record: Record, rule: ModuleRule, names: list
+    ) -> dict[str, list[Tensor]] | None:
+        """Kronecker factors of one call from all losses' factors at its outputs.
+
+        The output-side factor (first in each list) sums over losses; a loss entering with a
+        negative weight is subtracted.
+        """
+        result = None
+        for sign in (1.0, -1.0):
+            factors = secondorder.joint_factors(record, ext, sign)
             if factors is None:
-                return {}
+                continue
+            kron = rule.kron_factors(record, factors, names)
             if kron is None:
                 raise NotImplementedError(
                     f"Extension saving to {ext.savefield} ({ext.__class__.__name__}) does not "
-                    f"support module {describe(module)} ({module.__class__}): Kronecker factors "
-                    "are defined for Linear and convolution layers."
+                    f"support module {describe(record.module)} ({record.module.__class__}): "
+                    "Kronecker factors are defined for Linear and convolution layers."
                 )
-            return kron
-        # "mp": a matrix-product closure per parameter
-        return {n: secondorder.matrix_product([(record, entries)], n) for n in names}
+            if sign < 0:
+                kron = {k: [-v[0], *v[1:]] for k, v in kron.items()}
+            if result is None:
+                result = kron
+            else:
+                result = {k: [result[k][0] + v[0], *result[k][1:]] for k, v in kron.items()}
+        return result
 
     def _check_signs(self, ext: SecondOrderBackpropExtension, record: Record) -> None:
         for pos, _, sign in secondorder.terms_for(record, ext):
@@ -793,9 +811,9 @@ class Engine:
                 what = describe(loss) if loss is not None else "a loss function"
                 raise NotImplementedError(
                     f"{ext.__class__.__name__}: {what} enters this backward with a negative "
-                    "weight, so its curvature has no real square root (nor Kronecker factors "
-                    "from one). Diagonals and matrix products (DiagGGNExact, GGNMP, ...) "
-                    "support negative weights."
+                    "weight, so its curvature has no real square root. Diagonals, Kronecker "
+                    "factors and matrix products (DiagGGNExact, KFLR, GGNMP, ...) support "
+                    "negative weights."
                 )
 
     def _pieces(
@@ -919,17 +937,9 @@ class Engine:
         result: list[Tensor] | None = None
         weights = 0
         for record, rule, _ in calls:
-            self._check_signs(ext, record)
-            factors = secondorder.joint_factors(record, ext)
-            if factors is None:
-                continue
-            kron = rule.kron_factors(record, factors, [name])
+            kron = self._kron(ext, record, rule, [name])
             if kron is None:
-                raise NotImplementedError(
-                    f"Extension saving to {ext.savefield} ({ext.__class__.__name__}) does not "
-                    f"support module {describe(record.module)}: Kronecker factors are defined "
-                    "for Linear and convolution layers."
-                )
+                continue
             n = rule.batch_size(record)
             factors_of = kron[name]
             if result is None:

@@ -224,7 +224,7 @@ def start_kfra(engine: Engine, loss_record: Record, sum_hessian: Tensor) -> None
             factor = root.T.reshape(root.shape[1], 1, *shape)
             results.append((record, rule.kron_factors(record, [factor], names)))
     for record, kron in results:
-        params = dict(record.module.named_parameters(recurse=False))
+        params = trainable_params(record.module)
         for name, factors in kron.items():
             for ext in exts:
                 setattr(params[name], ext.savefield, factors)

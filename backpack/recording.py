@@ -189,13 +189,33 @@ def param_owners(param: Tensor) -> list[nn.Module]:
     return list(owners) if owners is not None else []
 
 
+#: module classes whose rule also covers their submodules' parameters (their forward uses
+#: them functionally, e.g. `MultiheadAttention`'s `out_proj`); rules register them
+OWNS_CHILD_PARAMETERS: set[type] = set()
+
+
+def _owned_parameters(module: nn.Module) -> dict[str, Any]:
+    if type(module) in OWNS_CHILD_PARAMETERS:
+        return dict(module.named_parameters())
+    return module._parameters
+
+
 def trainable_params(module: nn.Module) -> dict[str, Tensor]:
-    """The module's own parameters that require grad, by name (each parameter once)."""
+    """The parameters a call of `module` uses directly and that require grad, by name.
+
+    Its own parameters, each once; for modules whose rule covers their submodules'
+    parameters too, those as well (dotted names, e.g. `out_proj.weight`).
+    """
     params: dict[str, Tensor] = {}
-    for name, p in module._parameters.items():
+    for name, p in _owned_parameters(module).items():
         if p is not None and p.requires_grad and all(p is not q for q in params.values()):
             params[name] = p
     return params
+
+
+def get_param(module: nn.Module, name: str) -> Tensor:
+    """The parameter `name` (possibly dotted) of `module`."""
+    return module.get_parameter(name) if "." in name else getattr(module, name)
 
 
 def _register_owners(module: nn.Module, params: dict[str, Any]) -> None:
@@ -287,7 +307,7 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
             # already carries records) or an in-place operation (a node of its own)
             node = out_tensors[0].grad_fn
             record.identity = node is None or _META_KEY in node.metadata
-        params = module._parameters
+        params = _owned_parameters(module)
         if params:
             _register_owners(module, params)
     record.out_requires_grad = out_requires_grad

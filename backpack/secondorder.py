@@ -25,7 +25,14 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 
 from backpack.context import CTX
-from backpack.recording import Record, describe, records_at, trainable_params, walk_nodes
+from backpack.recording import (
+    Record,
+    describe,
+    get_param,
+    records_at,
+    trainable_params,
+    walk_nodes,
+)
 from backpack.rules import find_rule
 from backpack.rules.activations import (
     elementwise_derivative,
@@ -544,6 +551,9 @@ class ChainEntry(DiagEntry):
         """Chain Jacobian times each slice of `tangents` (`[K, *y]` -> `[K, *u]`)."""
         from torch.func import jvp, vmap
 
+        from backpack.rules.generic import _load_jvp_decompositions
+
+        _load_jvp_decompositions()
         with torch.enable_grad(), CTX.internal():
             for module, args, kwargs in self.chain:
                 f = _input_function(module, args, kwargs)
@@ -881,9 +891,14 @@ def entries_for(record: Record, ext: SecondOrderBackpropExtension) -> list[Entry
     return entries
 
 
-def joint_factors(record: Record, ext: SecondOrderBackpropExtension) -> list[Tensor | None] | None:
-    """All losses' factors at each output of `record`, columns concatenated (None if none)."""
-    terms = terms_for(record, ext)
+def joint_factors(
+    record: Record, ext: SecondOrderBackpropExtension, sign: float | None = None
+) -> list[Tensor | None] | None:
+    """All losses' factors at each output of `record`, columns concatenated (None if none).
+
+    With `sign`, only the losses entering the backward with a weight of that sign.
+    """
+    terms = [t for t in terms_for(record, ext) if sign is None or t[2] == sign]
     if not terms:
         return None
     if len(terms) == 1:
@@ -1050,7 +1065,7 @@ def zero_like_params(
 ) -> dict[str, Tensor]:
     """Zeros shaped like the named parameters (`[batch_size, *shape]` if given)."""
     if batch_size is None:
-        return {n: torch.zeros_like(getattr(module, n)) for n in names}
+        return {n: torch.zeros_like(get_param(module, n)) for n in names}
     return {
-        n: getattr(module, n).new_zeros(batch_size, *getattr(module, n).shape) for n in names
+        n: get_param(module, n).new_zeros(batch_size, *get_param(module, n).shape) for n in names
     }

@@ -8,6 +8,7 @@ the module's forward) but exact for any module whose samples are independent.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -17,7 +18,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, jvp, vjp, vmap
 
 from backpack.context import CTX
-from backpack.recording import Record, tensors_in
+from backpack.recording import Record, get_param, tensors_in
 from backpack.rules.base import GradOutputs, ModuleRule, Names
 
 
@@ -65,7 +66,7 @@ class FuncRule(ModuleRule):
         n = self.batch_size(record)
         out_tensors = list(tensors_in(record.output_structure))
         cotangents = _cotangents(record, grad_outputs, out_tensors)
-        params = {name: getattr(module, name).detach() for name in names}
+        params = {name: get_param(module, name).detach() for name in names}
         args, kwargs = record.args, record.kwargs
 
         def batched(t: Any) -> bool:
@@ -107,12 +108,34 @@ def _functional_outputs(
     module: nn.Module, args: tuple, kwargs: dict, name: str, requires_grad: tuple[bool, ...]
 ) -> Callable[[Tensor], tuple[Tensor, ...]]:
     """The module's differentiable outputs as a function of one parameter."""
+    # modules updating buffers in training mode (running statistics) update copies
+    buffers = {k: b.clone() for k, b in module.named_buffers()} if module.training else {}
 
     def f(value: Tensor) -> tuple[Tensor, ...]:
-        out = functional_call(module, {name: value}, args, kwargs)
+        out = functional_call(module, {**buffers, name: value}, args, kwargs)
         return tuple(t for t, rg in zip(tensors_in(out), requires_grad) if rg)
 
     return f
+
+
+_JVP_READY: list[bool] = []
+
+
+def _load_jvp_decompositions() -> None:
+    """Import what torch's forward-mode AD loads on first use, without its deprecation noise.
+
+    torch builds these decompositions with `torch.jit.script`, which warns (FutureWarning)
+    in recent versions; the warning is about torch's internals, not the user's code.
+    """
+    if _JVP_READY:
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*torch.jit.script.*", FutureWarning)
+        try:
+            import torch._decomp.decompositions_for_jvp  # noqa: F401
+        except ImportError:  # pragma: no cover - other torch versions
+            pass
+    _JVP_READY.append(True)
 
 
 def jvp_outputs(
@@ -124,8 +147,9 @@ def jvp_outputs(
     requires_grad: tuple[bool, ...],
 ) -> list[Tensor]:
     """J·M_k for each slice of `tangents` (`[K, *param.shape]`): `[K, *out_i]` per output."""
+    _load_jvp_decompositions()
     f = _functional_outputs(module, args, kwargs, name, requires_grad)
-    primal = getattr(module, name).detach()
+    primal = get_param(module, name).detach()
 
     def one(tangent: Tensor) -> tuple[Tensor, ...]:
         return jvp(f, (primal,), (tangent,))[1]
@@ -163,7 +187,7 @@ def vjp_params(
 ) -> Tensor:
     """Jᵀ·c_k summed over samples for each slice k of the output cotangents."""
     f = _functional_outputs(module, args, kwargs, name, requires_grad)
-    primal = getattr(module, name).detach()
+    primal = get_param(module, name).detach()
     with torch.enable_grad(), CTX.internal(), transformable(module):
         outputs, pullback = vjp(f, primal)
         k = next(c for c in cotangents if c is not None).shape[0]

@@ -418,11 +418,6 @@ def test_no_coverage_warning_for_bias_cancelled_by_instance_norm():
                 nn.CrossEntropyLoss()(model(x), y).backward()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine: matrix products re-run the module forward (torch.func), which updates the "
-    "running statistics of InstanceNorm(track_running_stats=True) in training mode",
-)
 def test_ggnmp_leaves_running_statistics_alone():
     from backpack.extensions import GGNMP
 
