@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from functools import partial
 from typing import Any
 
@@ -28,7 +29,7 @@ from backpack.extensions.backprop_extension import (
 )
 from backpack.extensions.firstorder.base import FirstOrderBackpropExtension
 from backpack.extensions.secondorder import SecondOrderBackpropExtension
-from backpack.recording import Record, describe, get_param, trainable_params
+from backpack.recording import Record, describe, get_param, promote_half, trainable_params
 from backpack.rules import find_rule
 from backpack.rules.activations import find_activation_rule
 from backpack.rules.base import ModuleRule
@@ -184,6 +185,8 @@ class _Coverage:
         self.handle: Any = None
         #: whether this pass checks the parameter (see `Engine._cover`)
         self.active = True
+        #: whether a contribution came from a 16-bit (autocast) call
+        self.low_precision = False
         #: variances waiting for the call's gradient sum: (savefield, Σ g², N, fallback)
         self.pending: list[tuple[str, Tensor, int, Callable[[], Tensor], bool]] = []
 
@@ -193,7 +196,8 @@ class _Coverage:
     def on_grad(self, grad: Tensor, fields: list[str]) -> None:
         """Parameter hook: check coverage, then finish pending variances with `grad`."""
         covered = self.check(grad, fields)
-        self.finish(grad.detach() if covered else None)
+        # under autocast autograd's sum went through 16-bit arithmetic: the rule's is better
+        self.finish(grad.detach() if covered and not self.low_precision else None)
 
     def finish(self, grad_sum: Tensor | None) -> None:
         """Store pending variances, from `grad_sum` or (if None) from their fallback."""
@@ -209,6 +213,8 @@ class _Coverage:
             return False
         actual = grad.detach().flatten()[self.index].to(self.total.dtype)
         tol = {torch.float64: 1e-7, torch.float32: 1e-4}.get(self.total.dtype, 5e-2)
+        if self.low_precision:
+            tol = 5e-2
         # |actual - total| <= tol * max(|total|, |actual|) on at most 8 numbers: Python floats
         # (one transfer) are cheaper than a chain of tiny tensor ops
         pairs = torch.stack([actual, self.total], 1).tolist()
@@ -257,6 +263,22 @@ def _snapshot(record: Record) -> Record:
 def _grad_sum_of(quantities: _Quantities, name: str) -> Tensor:
     """One call's gradient w.r.t. parameter `name` (fused rule, else summed per-sample ones)."""
     return quantities.get("grad_sum")[name]
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@contextmanager
+def _no_autocast() -> Iterator[None]:
+    """Rules run at full precision even if the backward was started inside `torch.autocast`."""
+    types = [t for t in ("cpu", "cuda") if torch.is_autocast_enabled(t)]
+    if not types:
+        yield
+        return
+    with ExitStack() as stack:
+        for device_type in types:
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
 
 
 def _names(exts: Sequence[BackpropExtension]) -> str:
@@ -424,6 +446,8 @@ class Engine:
         self.layout = SampleLayout([])
         #: whether an extended loss started the second-order factors in this pass
         self.loss_seen = False
+        #: whether this pass met 16-bit tensors (autocast): autograd's own sums are rounded
+        self.low_precision = False
         #: factor key -> loss position -> (columns of that loss's factor, sign of its weight)
         self.loss_columns: dict[Any, dict[int, tuple[int, float]]] = {}
         self._accumulators: dict[int, _Accumulator] = {}
@@ -513,6 +537,15 @@ class Engine:
             )
         if self.debug:
             print(f"[backpack] backward through {describe(module)}")
+        if record.promote_half() or any(g is not None and g.dtype in _HALF for g in grads):
+            # mixed precision: rules compute and accumulate in float32
+            grads = promote_half(grads)
+            self.low_precision = True
+        with _no_autocast():
+            self._dispatch_rules(record, grads)
+
+    def _dispatch_rules(self, record: Record, grads: tuple[Tensor | None, ...]) -> None:
+        module = record.module
         if is_loss(module):
             if self.second_order:
                 secondorder.on_loss_backward(self, record, grads)
@@ -1026,6 +1059,7 @@ class Engine:
         else:
             part = rule.grad_sum_entries(record, grads, name, coverage.index)
         coverage.add(part)
+        coverage.low_precision = coverage.low_precision or self.low_precision
         return coverage
 
     def _rule_for(

@@ -140,6 +140,32 @@ class Record:
         self._input_edges = ()
         self.freed = True
 
+    def modified(self) -> bool:
+        """Whether an input was modified in place after the module's forward."""
+        return any(
+            isinstance(arg, Tensor) and version is not None and arg._version != version
+            for arg, version in zip(self.args, self.versions)
+        )
+
+    def promote_half(self) -> bool:
+        """Use float32 copies of 16-bit floating tensors (mixed precision); True if any.
+
+        Rules then compute and accumulate in float32. Whether an input was modified in place
+        is decided first (the copies have versions of their own).
+        """
+        if not any(_is_half(t) for t in (*self.args, *self.outputs)):
+            return False
+        stale = self.modified()
+        self.args = tuple(_promote(a) for a in self.args)
+        self.kwargs = {k: _promote(v) for k, v in self.kwargs.items()}
+        self.outputs = tuple(_promote(o) for o in self.outputs)
+        self.output_structure = _promote(self.output_structure)
+        # a stale input keeps failing `check_unmodified` (no version equals -1)
+        self.versions = tuple(
+            (-1 if stale else a._version) if isinstance(a, Tensor) else None for a in self.args
+        )
+        return True
+
     def check_unmodified(self, extension_name: str) -> None:
         """Raise if an input was modified in place after the module's forward."""
         for arg, version in zip(self.args, self.versions):
@@ -150,6 +176,30 @@ class Record:
                     "in-place operation that follows this module out-of-place (e.g. "
                     "inplace=False, `x = x + y` instead of `x += y`)."
                 )
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _is_half(obj: Any) -> bool:
+    return isinstance(obj, Tensor) and obj.dtype in _HALF
+
+
+def _promote(obj: Any) -> Any:
+    """`obj` with 16-bit floating tensors (also inside tuples and lists) as float32."""
+    if isinstance(obj, Tensor):
+        return obj.float() if obj.dtype in _HALF else obj
+    if isinstance(obj, tuple):
+        items = [_promote(o) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    if isinstance(obj, list):
+        return [_promote(o) for o in obj]
+    return obj
+
+
+def promote_half(obj: Any) -> Any:
+    """Public form of `_promote` for the engine (gradients, factors)."""
+    return _promote(obj)
 
 
 def _remember(module: nn.Module, record: Record) -> None:
@@ -403,7 +453,10 @@ def records_at(node: Any, freed: bool = False) -> list[tuple[Record, int, int]]:
     entries = node.metadata.get(_META_KEY)
     if not entries:
         return []
-    return [(r, i, nr) for r, i, nr in entries if freed or not r.freed]
+    found = [(r, i, nr) for r, i, nr in entries if freed or not r.freed]
+    for record, _, _ in found:
+        record.promote_half()  # whoever reads a record computes in float32
+    return found
 
 
 def _dispatch(record: Record, grads: tuple[Tensor | None, ...]) -> None:

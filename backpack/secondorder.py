@@ -337,6 +337,8 @@ def on_loss_backward(engine: Engine, record: Record, grads: tuple[Tensor | None,
             engine, out_edge, [e for _, _, e in found], torch.cat(factors), loop=convolutional
         )
         for (target, index, _), result in zip(found, results):
+            if result is not None and result.dtype != factors[0].dtype:
+                result = result.to(factors[0].dtype)  # 16-bit outputs (mixed precision)
             per_key = target.extra.setdefault("factors", {})
             parts = [None] * len(sizes) if result is None else result.split(sizes)
             for key, part in zip(keys, parts):
