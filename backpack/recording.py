@@ -306,6 +306,7 @@ def tensors_in(obj: Any) -> Iterator[Tensor]:
             yield from tensors_in(o)
 
 
+@torch.compiler.disable
 def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     """Record the call for the next backward (only when it can be differentiated)."""
     if not torch.is_grad_enabled() or CTX.internal_depth:
@@ -491,6 +492,7 @@ def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) 
         from backpack.custom_module.graph_utils import convert_module_to_backpack
 
         module = convert_module_to_backpack(module, debug)
+    _allow_repeated_compiled_backward()
     for name, sub in module.named_modules():
         if name or "_backpack_path" not in sub.__dict__:
             # messages name modules by their path in the outermost model extended so far
@@ -505,6 +507,21 @@ def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) 
         if debug:
             print(f"[backpack] extending {name or '<root>'}: {sub.__class__.__name__}")
     return module
+
+
+def _allow_repeated_compiled_backward() -> None:
+    """Let `torch.compile`d graphs of extended models be backpropagated more than once.
+
+    Second-order extensions run extra backward passes over the graph (propagating curvature
+    factors). torch.compile's "donated buffers" optimisation frees saved tensors after the
+    first backward, so it is switched off; this applies to graphs compiled after `extend`.
+    """
+    try:
+        import torch._functorch.config as config
+    except ImportError:  # pragma: no cover - torch without functorch
+        return
+    if getattr(config, "donated_buffer", False):
+        config.donated_buffer = False
 
 
 def memory_cleanup(module: nn.Module) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -144,7 +145,7 @@ def propagate(
     """
     if not targets:
         return []
-    with CTX.propagation():
+    with CTX.propagation(), _explain_compiled():
         if loop and factor.shape[0] <= _LOOP_MAX_COLUMNS:
             return _propagate_columns(output_edge, targets, factor)
         try:
@@ -158,9 +159,29 @@ def propagate(
                     is_grads_batched=True,
                 )
             )
-        except RuntimeError:
+        except RuntimeError as err:
+            if "donated buffers" in str(err):
+                raise
             # some operation has no batching rule: one vector-Jacobian product per column
             return _propagate_columns(output_edge, targets, factor)
+
+
+@contextmanager
+def _explain_compiled() -> Iterator[None]:
+    """Turn torch.compile's refusal to backpropagate twice into an actionable error."""
+    try:
+        yield
+    except RuntimeError as err:
+        if "donated buffers" not in str(err):
+            raise
+        raise RuntimeError(
+            "Second-order extensions backpropagate curvature factors through the graph a second "
+            "time, which this torch.compile'd graph does not allow (it was compiled with "
+            "donated buffers, before backpack.extend was called). Call backpack.extend(model) "
+            "before torch.compile(model) (extend switches donated buffers off), or set "
+            "torch._functorch.config.donated_buffer = False before compiling, or run the "
+            "backward through the uncompiled model."
+        ) from err
 
 
 def _propagate_columns(
