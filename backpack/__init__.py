@@ -8,6 +8,7 @@ from backpack import extensions  # noqa: F401
 from backpack.custom_module.graph_utils import convert_module_to_backpack
 from backpack.engine import backpack
 from backpack.recording import disable, extend, memory_cleanup
+from backpack.verification import VerifyReport, verify
 
 __version__ = "0.1.0"
 
@@ -18,5 +19,7 @@ __all__ = [
     "memory_cleanup",
     "convert_module_to_backpack",
     "extensions",
+    "verify",
+    "VerifyReport",
     "__version__",
 ]
