@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import os
 import statistics
 import sys
 import textwrap
@@ -613,13 +614,14 @@ def select_extensions(spec: str) -> list[TourExtension]:
     """Parse `--extensions`: "all", "first", "second" or a comma list of names (mixable)."""
     by_name = {ext.name.lower(): ext for ext in EXTENSIONS}
     chosen: list[TourExtension] = []
-    for token in (t.strip().lower() for t in spec.split(",") if t.strip()):
-        if token == "all":
+    for token in (t.strip() for t in spec.split(",") if t.strip()):
+        key = token.lower()
+        if key == "all":
             picked = list(EXTENSIONS)
-        elif token in _GROUPS:
-            picked = [e for e in EXTENSIONS if e.order == _GROUPS[token]]
-        elif token in by_name:
-            picked = [by_name[token]]
+        elif key in _GROUPS:
+            picked = [e for e in EXTENSIONS if e.order == _GROUPS[key]]
+        elif key in by_name:
+            picked = [by_name[key]]
         else:
             names = ", ".join(e.name for e in EXTENSIONS)
             raise ValueError(f"unknown extension {token!r}; choose all, first, second or {names}")
@@ -734,7 +736,11 @@ def main(argv: Sequence[str] | None = None, stream: TextIO | None = None) -> int
     args = parser.parse_args(argv)
     out = sys.stdout if stream is None else stream
     if args.batch_size < 2:
-        parser.error("--batch-size must be at least 2")
+        parser.error(
+            f"--batch-size must be at least 2, got {args.batch_size}: with one sample, Variance "
+            "and the per-sample statistics have nothing to compare, and the pairwise dot products "
+            "of BatchDotGrad are a single number"
+        )
     if args.repeats < 1:
         parser.error("--repeats must be positive")
     if args.train_steps < 0:
@@ -747,6 +753,13 @@ def main(argv: Sequence[str] | None = None, stream: TextIO | None = None) -> int
         extensions = select_extensions(args.extensions)
     except ValueError as error:
         parser.error(str(error))
+    if not args.no_plot:
+        folder = os.path.dirname(os.path.abspath(args.output))
+        if not os.path.isdir(folder):
+            parser.error(
+                f"--output {args.output}: the folder {folder} does not exist (create it first, "
+                "or pass --no-plot)"
+            )
     saved = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -853,7 +866,11 @@ def _tour(
         detail = row.note or f"rel err {row.error:.1e}, {row.excess:.1f}x its tolerance"
         say(f"FAILED: {row.model} {row.extension}: {detail}")
     if failed:
-        say(f"FAIL: {len(failed)} of {len(checked)} checked quantities are wrong; {tail}")
+        what = "checked quantity is" if len(checked) == 1 else "checked quantities are"
+        say(f"FAIL: {len(failed)} of {len(checked)} {what} wrong; {tail}")
         return 1
-    say(f"OK: all {len(checked)} checked quantities match float64 autograd; {tail}")
+    if len(checked) == 1:
+        say(f"OK: the checked quantity matches float64 autograd; {tail}")
+    else:
+        say(f"OK: all {len(checked)} checked quantities match float64 autograd; {tail}")
     return 0
