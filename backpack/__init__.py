@@ -11,7 +11,6 @@ from backpack.engine import backpack
 from backpack.recording import disable, extend, memory_cleanup
 from backpack.verification import VerifyReport, verify
 
-
 __all__ = [
     "backpack",
     "extend",
