@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-slow lint bench clean docs
+.PHONY: install demo test test-slow test-clients install-clients lint bench clean docs
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,20 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
+
+# Client libraries built on the original BackPACK, run on this one. `make install-clients` puts
+# them in the venv *without* their dependency backpack-for-pytorch (which would shadow this
+# package); without them, the tests of `make test-clients` are skipped.
+CLIENT_PACKAGES := laplace-torch curvlinops-for-pytorch cockpit-for-pytorch
+CLIENT_DEPS := asdfghjkl==0.1a4 scipy tqdm opt-einsum torchmetrics lightning-utilities einops \
+	einconv linear_operator jaxtyping wadler-lindig mpmath json-tricks pandas seaborn
+
+install-clients: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps $(CLIENT_PACKAGES) $(CLIENT_DEPS)
+	-$(BIN)/python -m pip uninstall -q -y backpack-for-pytorch
+
+test-clients: $(STAMP)
+	$(BIN)/python -m pytest -q -m clients tests/clients $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/python -m ruff check .

@@ -5,11 +5,11 @@ per-sample gradients, gradient statistics and curvature next to `.grad`.
 """
 
 from backpack import extensions  # noqa: F401
+from backpack._version import __version__
 from backpack.custom_module.graph_utils import convert_module_to_backpack
 from backpack.engine import backpack
 from backpack.recording import disable, extend, memory_cleanup
-
-__version__ = "0.1.0"
+from backpack.verification import VerifyReport, verify
 
 __all__ = [
     "backpack",
@@ -18,5 +18,7 @@ __all__ = [
     "memory_cleanup",
     "convert_module_to_backpack",
     "extensions",
+    "verify",
+    "VerifyReport",
     "__version__",
 ]

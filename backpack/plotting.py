@@ -263,6 +263,5 @@ def plot_tour(panels: Sequence[ModelPanel], path: str | Path, batch_size: int) -
         fontsize=13,
     )
     path = Path(path).expanduser().resolve()
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png")
     return path

@@ -163,8 +163,16 @@ def render_layer_table() -> str:
     return "".join(out)
 
 
+#: placeholder (home page) that the hook replaces by the package version
+VERSION_MARKER = "<!-- generated: version -->"
+
+
 def on_page_markdown(markdown: str, page: object, config: object, files: object) -> str:
-    """MkDocs hook: replace the marker on the supported-layers page by the generated tables."""
+    """MkDocs hook: fill in the layer tables (supported-layers page) and the package version."""
+    if VERSION_MARKER in markdown:
+        from backpack import __version__
+
+        markdown = markdown.replace(VERSION_MARKER, __version__)
     if MARKER not in markdown:
         return markdown
     return markdown.replace(MARKER, render_layer_table())

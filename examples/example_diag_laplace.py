@@ -11,8 +11,13 @@ where ℓₙ is sample n's negative log-likelihood (so the loss uses `reduction=
 backward pass with `DiagGGNExact` gives the diagonal; the script checks it against
 `autograd_diag_ggn_exact`, then samples parameters from the approximate posterior and averages
 their predictions (the Monte-Carlo predictive), and compares it with the MAP prediction on
-held-out digits. (Sampling the network's parameters this way tends to give underconfident
-predictions; tuning τ on validation data, or a linearised predictive, are the usual remedies.)
+held-out digits.
+
+Sampling all parameters with the training prior's τ usually gives underconfident predictions,
+worse than MAP. So, as is common practice, the prior precision of the *posterior* is tuned
+after training: τ is chosen from a grid to minimise the predictive's NLL on validation digits
+(the same noise for every τ), and the test digits are only used for the final comparison. The
+script says which τ won and whether the Laplace predictive beats MAP on the test digits.
 
     python examples/example_diag_laplace.py --train-steps 200 --samples 50
 """
@@ -34,7 +39,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch-size", type=int, default=256, help="training samples")
     parser.add_argument("--hidden", type=int, default=16)
-    parser.add_argument("--prior-precision", type=float, default=1.0, help="τ")
+    parser.add_argument(
+        "--prior-precision", type=float, default=1.0, help="τ of the MAP training (1.0)"
+    )
+    parser.add_argument(
+        "--no-tuning",
+        action="store_true",
+        help="use the training τ for the posterior instead of tuning it on validation digits",
+    )
     parser.add_argument("--train-steps", type=int, default=200)
     parser.add_argument("--samples", type=int, default=50, help="posterior samples")
     parser.add_argument("--seed", type=int, default=0)
@@ -68,12 +80,39 @@ def summarise(name: str, probs: Tensor, y: Tensor) -> dict[str, float]:
     return {"nll": nll, "accuracy": accuracy, "confidence": confidence}
 
 
+def tune_prior_precision(
+    model: nn.Module,
+    mean: dict[str, Tensor],
+    diag_ggn: dict[str, Tensor],
+    noise: list[dict[str, Tensor]],
+    X_val: Tensor,
+    y_val: Tensor,
+    grid: list[float],
+) -> tuple[float, list[tuple[float, float]]]:
+    """The τ of `grid` whose sampled predictive has the lowest NLL on the validation digits.
+
+    Every τ uses the same standard-normal `noise`, so the comparison is not blurred by sampling.
+    """
+    scores = []
+    for tau in grid:
+        samples = [
+            {k: mean[k] + (diag_ggn[k] + tau).rsqrt() * z[k] for k in mean} for z in noise
+        ]
+        probs = predictive(model, X_val, samples)
+        nll = -probs[torch.arange(len(y_val)), y_val].clamp_min(1e-12).log().mean().item()
+        scores.append((tau, nll))
+    best = min(scores, key=lambda s: s[1])[0]
+    return best, scores
+
+
 def main(argv: list[str] | None = None) -> dict[str, object]:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
-    X, y = load_one_batch_mnist(batch_size=2 * args.batch_size)
-    X_train, y_train = X[: args.batch_size], y[: args.batch_size]
-    X_test, y_test = X[args.batch_size :], y[args.batch_size :]
+    n = args.batch_size
+    X, y = load_one_batch_mnist(batch_size=2 * n)
+    X_train, y_train = X[:n], y[:n]
+    X_val, y_val = X[n : n + n // 2], y[n : n + n // 2]  # for tuning τ only
+    X_test, y_test = X[n + n // 2 :], y[n + n // 2 :]
 
     # 4x4 average pooling: 49 input features keep the brute-force check cheap
     model = nn.Sequential(
@@ -98,32 +137,56 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         raise AssertionError(f"diag_ggn_exact differs from autograd (relative {error:.1e})")
     print(f"GGN diagonal of {diag_ggn.numel()} parameters matches autograd ({error:.1e})")
 
-    variances = {
-        name: 1.0 / (p.diag_ggn_exact + args.prior_precision)
-        for name, p in model.named_parameters()
-    }
+    mean = {name: p.detach() for name, p in model.named_parameters()}
+    ggn = {name: p.diag_ggn_exact.detach() for name, p in model.named_parameters()}
+    noise = [{k: torch.randn_like(v) for k, v in mean.items()} for _ in range(args.samples)]
+    tau = args.prior_precision
+    if not args.no_tuning:
+        grid = [tau * 10.0**k for k in range(0, 5)]  # from the training τ up to 10^4 times it
+        tau, scores = tune_prior_precision(model, mean, ggn, noise, X_val, y_val, grid)
+        listed = ", ".join(f"τ={t:g}: {nll:.3f}" for t, nll in scores)
+        print(f"prior precision tuned on {len(y_val)} validation digits (NLL {listed}): τ={tau:g}")
+
+    variances = {name: 1.0 / (ggn[name] + tau) for name in mean}
     flat_var = torch.cat([v.flatten() for v in variances.values()])
-    if not torch.allclose(flat_var, 1.0 / (reference + args.prior_precision), rtol=1e-4):
+    if not torch.allclose(flat_var, 1.0 / (reference + tau), rtol=1e-4):
         raise AssertionError("posterior variances differ from the brute-force ones")
     print(
         f"posterior standard deviations: min {flat_var.min().sqrt().item():.3f}, "
-        f"max {flat_var.max().sqrt().item():.3f} (prior: {args.prior_precision**-0.5:.3f})"
+        f"max {flat_var.max().sqrt().item():.3f} (prior: {tau**-0.5:.3f})"
     )
 
-    mean = {name: p.detach() for name, p in model.named_parameters()}
-    samples = [
-        {name: mean[name] + variances[name].sqrt() * torch.randn_like(mean[name]) for name in mean}
-        for _ in range(args.samples)
-    ]
+    samples = [{k: mean[k] + variances[k].sqrt() * z[k] for k in mean} for z in noise]
     map_probs = predictive(model, X_test, [mean])
     laplace_probs = predictive(model, X_test, samples)
     for probs in (map_probs, laplace_probs):
         if not torch.allclose(probs.sum(-1), torch.ones(len(y_test)), atol=1e-5):
             raise AssertionError("predictive probabilities do not sum to one")
-    print(f"held-out digits ({len(y_test)}):")
+    print(f"held-out test digits ({len(y_test)}):")
     map_stats = summarise("MAP", map_probs, y_test)
     laplace_stats = summarise("Laplace", laplace_probs, y_test)
-    return {"variances": variances, "map": map_stats, "laplace": laplace_stats}
+    if laplace_stats["nll"] < map_stats["nll"]:
+        verdict = "the Laplace predictive has the lower test NLL"
+    elif map_stats["confidence"] < map_stats["accuracy"]:
+        verdict = (
+            "MAP keeps the lower test NLL: it is already underconfident (mean confidence "
+            f"{map_stats['confidence']:.3f} < accuracy {map_stats['accuracy']:.3f}), and "
+            "sampled parameters only add uncertainty, so tuning drives τ up and the posterior "
+            "towards MAP"
+        )
+    else:
+        verdict = (
+            "MAP keeps the lower test NLL here: the sampled predictive's noise is not "
+            "calibrated away on this small validation set (try more --samples or a larger "
+            "--batch-size)"
+        )
+    print(f"  -> {verdict}.")
+    return {
+        "variances": variances,
+        "map": map_stats,
+        "laplace": laplace_stats,
+        "prior_precision": tau,
+    }
 
 
 if __name__ == "__main__":

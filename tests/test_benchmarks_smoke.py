@@ -82,8 +82,13 @@ def _run_tiny(tmp_path, capsys, problems, rows):
 
 def _check(results, markdown, problems, rows):
     assert list(results["problems"]) == problems
+    # tiny sizes: targets are not judged, and descriptions do not claim the full sizes
+    assert "## Targets" not in markdown and "✗" not in markdown
+    assert "Targets are not judged in tiny mode" in markdown
     for name, problem in results["problems"].items():
         assert "error" not in problem, problem.get("error")
+        assert "verdicts" not in problem
+        assert problem["description"].startswith("tiny version (shrunk sizes) of: ")
         assert set(problem["cases"]) == set(rows)
         for row, case in problem["cases"].items():
             assert case["status"] in STATUSES, (name, row)
@@ -148,3 +153,12 @@ def test_targets_are_judged():
     refused = {"status": "refused", "ratio": None, "first_run_seconds": 0.01, "reason": "x"}
     assert R.judge("KFRA", "3c3d", refused, None)["met"] is True
     assert R.judge("SqrtGGNMC", "mlp", ok, None) is None
+
+
+def test_help_gives_every_default(capsys):
+    with pytest.raises(SystemExit):
+        R.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for text in ("(default: all)", "(default: cpu)", "(default: 2)", "(default: bench-results)",
+                 "(default: 3, or 0.5 with --quick/--tiny)", "(default: 840)"):
+        assert text in out, text

@@ -21,7 +21,13 @@ from backpack.rules.losses import _LOSS_RULES
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-RUNNABLE_PAGES = ["getting-started.md", "extensions.md", "good-to-know.md", "residual-networks.md"]
+RUNNABLE_PAGES = [
+    "getting-started.md",
+    "extensions.md",
+    "good-to-know.md",
+    "residual-networks.md",
+    "verify.md",
+]
 
 
 def load_generator():

@@ -75,8 +75,21 @@ def test_clipping_bounds_every_sample():
 
 def test_laplace_variances_are_bounded_by_the_prior():
     result = load("example_diag_laplace").main(
-        SMALL["example_diag_laplace"] + ["--prior-precision", "4"]
+        SMALL["example_diag_laplace"] + ["--prior-precision", "4", "--no-tuning"]
     )
+    assert result["prior_precision"] == 4
     for variance in result["variances"].values():
         assert (variance > 0).all() and (variance <= 1 / 4 + 1e-7).all()
     assert math.isfinite(result["laplace"]["nll"])
+
+
+def test_laplace_tunes_the_prior_on_validation_digits_and_says_so(capsys):
+    result = load("example_diag_laplace").main(SMALL["example_diag_laplace"])
+    out = capsys.readouterr().out
+    tau = result["prior_precision"]
+    assert tau in (1.0, 10.0, 100.0, 1000.0, 10000.0)
+    assert "validation digits" in out and f"): τ={tau:g}" in out
+    for variance in result["variances"].values():
+        assert (variance <= 1 / tau + 1e-7).all()
+    # the comparison with MAP is explained either way
+    assert "-> " in out and "test NLL" in out

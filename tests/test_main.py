@@ -126,7 +126,7 @@ def test_tour_fails_with_exit_code_1_on_a_wrong_quantity(monkeypatch):
     code, text = _run([*TINY, "--model", "resnet", "--no-plot"])
     assert code == 1
     assert "FAIL" in text and "FAILED: resnet DiagGGNExact: rel err 1.0e-02" in text
-    assert text.rstrip().splitlines()[-1].startswith("FAIL: 1 of 1 checked quantities")
+    assert text.rstrip().splitlines()[-1].startswith("FAIL: 1 of 1 checked quantity is wrong")
 
 
 def test_tour_reports_a_broken_check_as_failure_and_goes_on(monkeypatch):
@@ -288,3 +288,43 @@ def test_kfra_reference_follows_the_recursion():
     g0 = sum(torch.diag(d[n]) @ w.T @ gbar @ w @ torch.diag(d[n]) for n in range(6)) / 6
     torch.testing.assert_close(factors["2"], gbar)
     torch.testing.assert_close(factors["0"], g0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Command-line rough edges
+
+
+def test_unknown_extension_is_named_as_typed(capsys):
+    with pytest.raises(SystemExit) as info:
+        tour.main(["--extensions", "BatchGrad,Foo"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown extension 'Foo'" in err and "'foo'" not in err
+
+
+def test_batch_size_one_says_why(capsys):
+    with pytest.raises(SystemExit) as info:
+        tour.main(["--batch-size", "1"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--batch-size must be at least 2, got 1: with one sample" in err
+
+
+def test_output_in_a_missing_folder_is_refused_and_not_created(tmp_path, capsys):
+    target = tmp_path / "nonexistent" / "dir" / "x.png"
+    with pytest.raises(SystemExit) as info:
+        tour.main([*TINY, "--output", str(target)])
+    assert info.value.code == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "nonexistent").exists()
+    # --no-plot does not care where the figure would have gone
+    code, _ = _run([*TINY, "--model", "mlp", "--extensions", "BatchL2Grad", "--no-plot",
+                    "--output", str(target)])
+    assert code == 0
+    assert not (tmp_path / "nonexistent").exists()
+
+
+def test_one_checked_quantity_in_the_singular():
+    code, text = _run([*TINY, "--model", "mlp", "--extensions", "BatchL2Grad", "--no-plot"])
+    assert code == 0
+    assert text.rstrip().splitlines()[-1].startswith("OK: the checked quantity matches")

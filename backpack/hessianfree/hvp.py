@@ -9,7 +9,11 @@ from backpack.hessianfree.lop import TensorOrSequence, as_tuple, vjp
 
 
 def hessian_vector_product(
-    f: Tensor, params: TensorOrSequence, v: TensorOrSequence, detach: bool = True
+    f: Tensor,
+    params: TensorOrSequence,
+    v: TensorOrSequence,
+    grad_params: TensorOrSequence | None = None,
+    detach: bool = True,
 ) -> tuple[Tensor, ...]:
     """Hessian of the scalar `f` w.r.t. all of `params` (one joint block matrix) times `v`.
 
@@ -20,6 +24,9 @@ def hessian_vector_product(
         f: Scalar tensor depending on `params`.
         params: Tensor(s) to differentiate with respect to.
         v: Vectors shaped like `params`, one per tensor.
+        grad_params: Gradients of `f` w.r.t. `params`, already computed with
+            `create_graph=True`; they are reused instead of differentiating `f` again (handy for
+            several products from one gradient).
         detach: Return detached tensors (otherwise they stay differentiable).
 
     Returns:
@@ -33,6 +40,13 @@ def hessian_vector_product(
         raise ValueError(
             f"Got {len(params_t)} parameters but {len(v_t)} vectors; pass one vector per parameter."
         )
-    grads = vjp(f, params_t, torch.ones_like(f))
+    if grad_params is None:
+        grads = vjp(f, params_t, torch.ones_like(f))
+    else:
+        grads = as_tuple(grad_params)
+        if len(grads) != len(params_t):
+            raise ValueError(
+                f"Got {len(params_t)} parameters but {len(grads)} gradients in grad_params."
+            )
     result = vjp(grads, params_t, v_t)
     return tuple(r.detach() for r in result) if detach else result

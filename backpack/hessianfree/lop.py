@@ -81,3 +81,28 @@ def L_op(  # noqa: N802 (public name of the original API)
     """
     result = vjp(ys, xs, ws, retain_graph=retain_graph)
     return tuple(r.detach() for r in result) if detach else result
+
+
+def transposed_jacobian_vector_product(
+    f: TensorOrSequence,
+    x: TensorOrSequence,
+    v: TensorOrSequence,
+    retain_graph: bool = True,
+    detach: bool = True,
+) -> tuple[Tensor, ...]:
+    """Jᵀ v: the transposed Jacobian of `f` w.r.t. `x` times `v` (the name client libraries use).
+
+    Same as `L_op(f, x, v, retain_graph, detach)`.
+
+    Args:
+        f: Output tensor(s) of the graph.
+        x: Tensor(s) to differentiate with respect to.
+        v: Vectors shaped like `f`, one per output.
+        retain_graph: Keep the graph of `f` for further backward passes.
+        detach: Return detached tensors (otherwise they stay differentiable).
+
+    Returns:
+        One tensor per entry of `x`, shaped like it.
+
+    """
+    return L_op(f, x, v, retain_graph=retain_graph, detach=detach)

@@ -41,3 +41,28 @@ def R_op(  # noqa: N802 (public name of the original API)
     else:
         result = vjp([g for g, _ in pairs], dummies, [v for _, v in pairs], retain_graph=True)
     return tuple(r.detach() for r in result) if detach else result
+
+
+def jacobian_vector_product(
+    f: TensorOrSequence,
+    x: TensorOrSequence,
+    v: TensorOrSequence,
+    retain_graph: bool = True,
+    detach: bool = True,
+) -> tuple[Tensor, ...]:
+    """J v: the Jacobian of `f` w.r.t. `x` times `v` (the name client libraries use).
+
+    Same as `R_op(f, x, v, retain_graph, detach)`.
+
+    Args:
+        f: Output tensor(s) of the graph.
+        x: Tensor(s) the outputs depend on.
+        v: Vectors shaped like `x`, one per input.
+        retain_graph: Keep the graph of `f` for further backward passes.
+        detach: Return detached tensors (otherwise they stay differentiable).
+
+    Returns:
+        One tensor per entry of `f`, shaped like it.
+
+    """
+    return R_op(f, x, v, retain_graph=retain_graph, detach=detach)

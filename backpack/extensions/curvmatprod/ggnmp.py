@@ -1,0 +1,5 @@
+"""`GGNMP` at the original's module path."""
+
+from backpack.extensions.secondorder import GGNMP
+
+__all__ = ["GGNMP"]

@@ -1,0 +1,5 @@
+"""`BatchDotGrad` at the original's module path."""
+
+from backpack.extensions.firstorder import BatchDotGrad
+
+__all__ = ["BatchDotGrad"]

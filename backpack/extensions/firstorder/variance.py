@@ -1,0 +1,5 @@
+"""`Variance` at the original's module path."""
+
+from backpack.extensions.firstorder import Variance
+
+__all__ = ["Variance"]

@@ -1,0 +1,259 @@
+"""`backpack.verify` and `python -m backpack verify`: passes on every problem of the shared table,
+fails on a broken rule and on BatchNorm in train mode, names likely causes."""
+
+import io
+import runpy
+import sys
+import textwrap
+
+import pytest
+import torch
+from problems import ALL_PROBLEMS, DEVICE
+from torch import nn
+
+import backpack
+from backpack.extensions import KFLR, BatchGrad, DiagGGNExact
+from backpack.rules.linear import LinearRule
+from backpack.verification import main
+
+DTYPE = torch.float64
+
+TAG_EXTENSIONS = {
+    "first": ["first"],
+    "second": ["DiagGGNExact", "BatchDiagGGNExact", "SqrtGGNExact", "GGNMP", "DiagGGNMC"],
+    "hessian": ["DiagHessian", "BatchDiagHessian", "HMP", "PCHMP"],
+    "kron": ["KFAC", "KFLR", "KFRA"],
+}
+
+
+def _extensions_for(problem):
+    names = []
+    for tag, exts in TAG_EXTENSIONS.items():
+        if tag in problem.tags:
+            names.extend(exts)
+    return ",".join(names)
+
+
+#: KFRA leaves parameters inside `Parallel` branches without `kfra` although they have a
+#: gradient (no error either): an engine-side issue that verify rightly reports as a failure
+KFRA_SILENT = {
+    "custom-parallel-multiply-merge",
+    "custom-parallel-cat-merge",
+    "custom-active-identity",
+}
+
+
+@pytest.mark.parametrize("problem", ALL_PROBLEMS, ids=[p.id for p in ALL_PROBLEMS])
+def test_verify_passes_on_the_problem_table(problem):
+    model, x, lossfunc, y = problem.build()
+    extensions = _extensions_for(problem)
+    if problem.id in KFRA_SILENT:
+        extensions = extensions.replace(",KFRA", "")
+    if not extensions:
+        pytest.skip("no extension applies")
+    report = backpack.verify(model, lossfunc, x, y, extensions=extensions)
+    assert report.ok, str(report)
+    assert report.checked, str(report)  # something was compared against the reference
+    # the arguments are left alone
+    assert not any(hasattr(p, "grad_batch") for p in model.parameters())
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.xfail(strict=True, reason="engine: KFRA silently skips parameters in branches")
+@pytest.mark.parametrize("problem_id", sorted(KFRA_SILENT))
+def test_verify_reports_kfra_missing_in_branches(problem_id):
+    problem = next(p for p in ALL_PROBLEMS if p.id == problem_id)
+    model, x, lossfunc, y = problem.build()
+    report = backpack.verify(model, lossfunc, x, y, extensions="KFRA")
+    assert report.ok, str(report)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).to(DTYPE)
+    x = torch.randn(12, 5, dtype=DTYPE)
+    y = torch.randint(0, 3, (12,))
+    return model.to(DEVICE), nn.CrossEntropyLoss(), x.to(DEVICE), y.to(DEVICE)
+
+
+def test_verify_all_extensions_on_an_mlp_and_the_table():
+    model, lossfunc, x, y = _mlp()
+    report = backpack.verify(model, lossfunc, x, y)
+    assert report.ok, str(report)
+    assert report.samples == 8
+    statuses = {row.extension: row.status for row in report.rows}
+    assert len(statuses) == 19
+    assert statuses["DiagGGNMC"] == statuses["SqrtGGNMC"] == "MC"
+    assert statuses["KFLR"] == statuses["DiagHessian"] == statuses["PCHMP"] == "ok"
+    text = str(report)
+    assert text.splitlines()[1].split()[:4] == ["extension", "attribute", "status", "rel"]
+    assert "OK: all 16 checked quantities match float64 autograd (3 Monte-Carlo)" in text
+    assert "not extended" in text  # the loss passed in was not extended
+
+
+def test_verify_fails_on_a_broken_rule(monkeypatch):
+    original = LinearRule.per_sample_grads
+
+    def broken(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        return {k: 1.001 * v for k, v in result.items()} if isinstance(result, dict) else result
+
+    monkeypatch.setattr(LinearRule, "per_sample_grads", broken)
+    model, lossfunc, x, y = _mlp()
+    report = backpack.verify(model, lossfunc, x, y, extensions="BatchGrad")
+    assert not report.ok
+    (row,) = report.rows
+    assert row.status == "FAIL" and row.error == pytest.approx(1e-3, rel=1e-3)
+    assert str(report).rstrip().endswith("FAIL: 1 of 1 checked quantity wrong")
+
+
+def test_verify_fails_on_a_broken_curvature_rule(monkeypatch):
+    original = LinearRule.kron_factors
+
+    def broken(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        return {k: [2 * v[0], *v[1:]] for k, v in result.items()}
+
+    monkeypatch.setattr(LinearRule, "kron_factors", broken)
+    model, lossfunc, x, y = _mlp()
+    report = backpack.verify(model, lossfunc, x, y, extensions=[DiagGGNExact(), "KFLR"])
+    assert [r.status for r in report.rows] == ["ok", "FAIL"], str(report)
+    assert report.rows[1].error == pytest.approx(1.0)
+
+
+def test_verify_fails_on_batchnorm_in_train_mode_and_says_why():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 3))
+    x, y = torch.randn(10, 5), torch.randint(0, 3, (10,))
+    report = backpack.verify(model, nn.CrossEntropyLoss(), x, y, extensions="first,DiagGGNExact")
+    assert not report.ok
+    rows = {r.extension: r for r in report.rows}
+    assert rows["BatchGrad"].status == "FAIL"
+    assert rows["DiagGGNExact"].status == "n/a"
+    assert any("BatchNorm in train mode ('1')" in c for c in report.causes)
+    assert "Likely causes:" in str(report)
+    # the same model in eval mode passes
+    assert backpack.verify(model.eval(), nn.CrossEntropyLoss(), x, y).ok
+
+
+def test_verify_names_dropout_and_other_stochastic_layers():
+    class Noise(nn.Module):
+        def forward(self, x):
+            return x + 0.1 * torch.randn_like(x)
+
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
+    dropout = nn.Sequential(nn.Linear(5, 4), nn.Dropout(0.5), nn.Linear(4, 3))
+    report = backpack.verify(dropout, nn.CrossEntropyLoss(), x, y, extensions="BatchGrad")
+    assert not report.ok
+    assert any("Dropout in train mode ('1')" in c for c in report.causes)
+    noisy = nn.Sequential(nn.Linear(5, 4), Noise(), nn.Linear(4, 3))
+    report = backpack.verify(noisy, nn.CrossEntropyLoss(), x, y, extensions="BatchGrad")
+    assert any("stochastic" in c for c in report.causes)
+
+
+def test_verify_names_parameters_outside_extended_modules():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(5, 3)
+            self.scale = nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
+    report = backpack.verify(Scaled(), nn.CrossEntropyLoss(), x, y, extensions="BatchGrad")
+    assert any("scale" in c and "functional" in c for c in report.causes), report.causes
+
+
+def test_verify_loss_that_is_not_a_module_and_unusual_reduction():
+    model, _, x, y = _mlp()
+
+    def lossfunc(out, target):
+        return nn.functional.cross_entropy(out, target)
+
+    report = backpack.verify(model, lossfunc, x, y, extensions="BatchGrad,DiagGGNExact")
+    rows = {r.extension: r.status for r in report.rows}
+    assert rows["BatchGrad"] == "ok"
+    assert rows["DiagGGNExact"] in ("n/a", "FAIL")
+    assert any("not an nn.Module" in c for c in report.causes)
+    report = backpack.verify(
+        model, nn.CrossEntropyLoss(reduction="none"), x, y, extensions="BatchGrad"
+    )
+    assert not report.ok
+    assert any("Unusual reduction 'none'" in c for c in report.causes)
+
+
+def test_verify_coupled_loss_is_named():
+    model, _, x, y = _mlp()
+
+    def coupled(out, target):  # the batch mean's softmax: not a sum over samples
+        return nn.functional.cross_entropy(out.mean(0, keepdim=True).expand_as(out), target)
+
+    report = backpack.verify(model, coupled, x, y, extensions="BatchGrad")
+    assert any("couples the samples" in c for c in report.causes)
+
+
+def test_verify_arguments():
+    model, lossfunc, x, y = _mlp()
+    report = backpack.verify(model, lossfunc, x, y, extensions=[BatchGrad(), KFLR()], samples=3)
+    assert report.samples == 3 and [r.extension for r in report.rows] == ["BatchGrad", "KFLR"]
+    assert report.ok
+    report = backpack.verify(model, lossfunc, x, y, extensions="BatchL2Grad", samples=1)
+    assert report.summary().startswith("OK: the checked quantity matches")
+    float32 = backpack.verify(model.float(), lossfunc, x.float(), y, dtype=torch.float32)
+    assert float32.ok and float32.rows[0].tolerance == 1e-4
+    with pytest.raises(ValueError, match="class BatchGrad instead"):
+        backpack.verify(model, lossfunc, x, y, extensions=[BatchGrad])
+    with pytest.raises(ValueError, match="unknown extension 'nope'"):
+        backpack.verify(model, lossfunc, x, y, extensions="nope")
+    with pytest.raises(ValueError, match="samples must be positive"):
+        backpack.verify(model, lossfunc, x, y, samples=0)
+
+
+FACTORY = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+    def good():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+        return model, nn.CrossEntropyLoss(), torch.randn(6, 4), torch.randint(0, 2, (6,))
+
+    def batchnorm_train():
+        model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
+        return model, nn.CrossEntropyLoss(), torch.randn(6, 4), torch.randint(0, 2, (6,))
+    """
+)
+
+
+def test_command_line(tmp_path, monkeypatch):
+    (tmp_path / "my_problems.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = io.StringIO()
+    assert main(["my_problems:good", "--extensions", "first,KFLR"], stream=out) == 0
+    assert "OK: all 6 checked quantities" in out.getvalue()
+    out = io.StringIO()
+    assert main([f"{tmp_path / 'my_problems.py'}:batchnorm_train"], stream=out) == 1
+    assert "BatchNorm in train mode" in out.getvalue()
+    with pytest.raises(SystemExit) as info:
+        main(["my_problems"])  # no function
+    assert info.value.code == 2
+    with pytest.raises(SystemExit) as info:
+        main(["my_problems:good", "--extensions", "Foo"])
+    assert info.value.code == 2
+
+
+def test_module_entry_point_dispatches_verify(tmp_path, monkeypatch, capsys):
+    (tmp_path / "my_problems2.py").write_text(FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["python -m backpack", "verify", "my_problems2:good", "--extensions", "BatchGrad"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as info:
+        runpy.run_module("backpack", run_name="__main__")
+    assert info.value.code == 0
+    assert "OK: the checked quantity matches" in capsys.readouterr().out
