@@ -189,7 +189,24 @@ def _plan(engine: Engine, loss_record: Record) -> list[tuple]:
         _check_dim(in_shape, f"input of {name}")
         steps.append(("module", record, out_edge, in_edge, shape))
         edge, shape = in_edge, in_shape
+    _check_chain_covers(loss_record, steps)
     return steps
+
+
+def _check_chain_covers(loss_record: Record, steps: list[tuple]) -> None:
+    """Raise if a parametrized call the loss reaches lies off the planned chain."""
+    on_chain = {id(step[1]) for step in steps if step[0] == "store"}
+    stack = [e.node for e in loss_record.input_edges if e is not None]
+    for node in walk_nodes(stack):
+        for record, _, _ in records_at(node):
+            if trainable_params(record.module) and id(record) not in on_chain:
+                raise NotImplementedError(
+                    "KFRA needs the model to be a chain of modules; "
+                    f"{describe(record.module)} lies on a branch off the chain from the loss "
+                    "(e.g. inside Parallel, or behind a module taking several inputs). Use KFLR "
+                    "or KFAC for branching models."
+                )
+        stack.extend(n for n, _ in node.next_functions)
 
 
 def start_kfra(engine: Engine, loss_record: Record, sum_hessian: Tensor) -> None:

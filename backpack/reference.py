@@ -590,6 +590,20 @@ def products_check(kind: str) -> Check:
     return check
 
 
+def _dense_block_check(
+    kind: str, ref: Reference, name: str, value: Any, param: Tensor
+) -> list[Pair]:
+    """Layers without Kronecker structure (norms) store one dense curvature block `[D, D]`."""
+    if not isinstance(value, (list, tuple)) or len(value) != 1:
+        raise ShapeError("expected one dense curvature block for a layer without Kronecker factors")
+    if kind == "kfra":
+        raise Unchecked(f"no KFRA reference for {name}")
+    dirs = ref.directions(name)
+    block = _expect(value[0], (param.numel(), param.numel()))
+    products = (block.to(dirs) @ dirs.flatten(1).T).T.reshape(dirs.shape)
+    return [Pair(products, ref.ggn_products(name), mc=kind == "kfac")]
+
+
 def kron_check(kind: str) -> Check:
     """Check of Kronecker factors: `[G, A]` for weights, `[G]` for biases.
 
@@ -598,6 +612,9 @@ def kron_check(kind: str) -> Check:
 
     def check(ref: Reference, name: str, value: Any, param: Tensor) -> list[Pair]:
         module_name, _, attr = name.rpartition(".")
+        module = ref.model.get_submodule(module_name)
+        if not isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
+            return _dense_block_check(kind, ref, name, value, param)
         is_weight = attr == "weight"
         if not isinstance(value, (list, tuple)) or len(value) != (2 if is_weight else 1):
             raise ShapeError(f"expected a list of {2 if is_weight else 1} Kronecker factors")

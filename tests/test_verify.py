@@ -34,8 +34,7 @@ def _extensions_for(problem):
     return ",".join(names)
 
 
-#: KFRA leaves parameters inside `Parallel` branches without `kfra` although they have a
-#: gradient (no error either): an engine-side issue that verify rightly reports as a failure
+#: branching models on which KFRA must refuse (it once skipped the branches' parameters)
 KFRA_SILENT = {
     "custom-parallel-multiply-merge",
     "custom-parallel-cat-merge",
@@ -47,8 +46,6 @@ KFRA_SILENT = {
 def test_verify_passes_on_the_problem_table(problem):
     model, x, lossfunc, y = problem.build()
     extensions = _extensions_for(problem)
-    if problem.id in KFRA_SILENT:
-        extensions = extensions.replace(",KFRA", "")
     if not extensions:
         pytest.skip("no extension applies")
     report = backpack.verify(model, lossfunc, x, y, extensions=extensions)
@@ -59,9 +56,9 @@ def test_verify_passes_on_the_problem_table(problem):
     assert all(p.grad is None for p in model.parameters())
 
 
-@pytest.mark.xfail(strict=True, reason="engine: KFRA silently skips parameters in branches")
 @pytest.mark.parametrize("problem_id", sorted(KFRA_SILENT))
-def test_verify_reports_kfra_missing_in_branches(problem_id):
+def test_verify_passes_kfra_on_branching_models(problem_id):
+    """KFRA refuses branching models instead of skipping the parameters in the branches."""
     problem = next(p for p in ALL_PROBLEMS if p.id == problem_id)
     model, x, lossfunc, y = problem.build()
     report = backpack.verify(model, lossfunc, x, y, extensions="KFRA")
