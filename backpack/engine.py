@@ -177,10 +177,16 @@ class _Coverage:
     is also used outside extended modules (a regulariser, a functional call).
     """
 
-    def __init__(self, param: Tensor, name: str, module: nn.Module, rule: ModuleRule) -> None:
+    def __init__(
+        self, param: Tensor, name: str, module: nn.Module, rule: ModuleRule, scale: list[Tensor]
+    ) -> None:
         self.param = param
         self.index = _probe_index(param, rule, name)
         self.total: Tensor | None = None
+        #: largest probed contributions of every parameter of the module (shared): the scale
+        #: against which a mismatch counts, so a gradient that cancels to rounding noise (a
+        #: bias before a normalisation) is not mistaken for an outside contribution
+        self.scale = scale
         self.label = f"{name} of {describe(module)}"
         self.handle: Any = None
         #: whether this pass checks the parameter (see `Engine._cover`)
@@ -217,11 +223,13 @@ class _Coverage:
             tol = 5e-2
         # |actual - total| <= tol * max(|total|, |actual|) on at most 8 numbers: Python floats
         # (one transfer) are cheaper than a chain of tiny tensor ops
-        pairs = torch.stack([actual, self.total], 1).tolist()
-        if not all(math.isfinite(v) for pair in pairs for v in pair):
+        scale = torch.stack(self.scale).to(self.total.dtype) if self.scale else self.total[:0]
+        values = torch.cat([actual, self.total, scale]).tolist()
+        pairs = list(zip(values[: len(actual)], values[len(actual) : 2 * len(actual)]))
+        if not all(math.isfinite(v) for v in values):
             # NaN or inf (e.g. one sample's input): nothing can be compared, nothing to report
             return False
-        bound = tol * max((abs(v) for pair in pairs for v in pair), default=0.0) + 1e-30
+        bound = tol * max((abs(v) for v in values), default=0.0) + 1e-30
         if not all(abs(a - t) <= bound for a, t in pairs):
             warnings.warn(
                 f"Parameter {self.label} also receives gradient from operations outside extended "
@@ -279,6 +287,28 @@ def _no_autocast() -> Iterator[None]:
         for device_type in types:
             stack.enter_context(torch.autocast(device_type, enabled=False))
         yield
+
+
+def _zero_product(mat: Tensor) -> Tensor:
+    """The curvature matrix product of a batch without samples."""
+    return torch.zeros_like(mat)
+
+
+def _store_empty_first_order(
+    exts: list[FirstOrderBackpropExtension], params: dict[str, Tensor]
+) -> None:
+    """A call without samples: empty per-sample quantities, zero sums (variance included)."""
+    for ext in exts:
+        for p in params.values():
+            if ext.quantity == "grad_batch":
+                value = p.new_zeros(0, *p.shape)
+            elif ext.quantity == "batch_l2":
+                value = p.new_zeros(0)
+            elif ext.quantity == "batch_dot":
+                value = p.new_zeros(0, 0)
+            else:
+                value = torch.zeros_like(p)
+            setattr(p, ext.savefield, value)
 
 
 def _names(exts: Sequence[BackpropExtension]) -> str:
@@ -464,6 +494,8 @@ class Engine:
                 coverage.handle.remove()
         self._coverage: dict[int, _Coverage] = {}
         self._covered: set[tuple[int, int]] = set()
+        #: id(module) -> probed contribution magnitudes of its parameters (see `_Coverage`)
+        self._scales: dict[int, list[Tensor]] = {}
 
     def batch_size(self, record: Record) -> int:
         """Number of samples of a recorded call (by its rule's batch axis)."""
@@ -627,10 +659,12 @@ class Engine:
             torch.zeros_like(o) if g is None else g for g, o in zip(grads, record.outputs)
         )
         placement = self.layout.placement(record)
+        if rule.batch_size(record) == 0 and placement is None:
+            _store_empty_first_order(builtin, params)
+            return False
         direct, shared = self._split_uses(record, params)
         if direct:
-            with torch.no_grad():
-                self._first_order_direct(record, grads, rule, builtin, params, direct, placement)
+            self._first_order_direct(record, grads, rule, builtin, params, direct, placement)
         for name, uses in shared:
             p = params[name]
             if id(p) in self._written:
@@ -643,10 +677,9 @@ class Engine:
             acc = self._accumulators.get(id(p))
             if acc is None:
                 acc = self._accumulators[id(p)] = _Accumulator(p, uses)
-            with torch.no_grad():
-                psg = rule.per_sample_grads(record, grads, [name])[name]
-                acc.add(psg, placement, record)
-                self._cover(record, grads, rule, name, p, psg, always=True)
+            psg = rule.per_sample_grads(record, grads, [name])[name]
+            acc.add(psg, placement, record)
+            self._cover(record, grads, rule, name, p, psg, always=True)
             if acc.seen >= acc.expected:
                 self._finalize_accumulator(acc)
         return any(id(p) in self._accumulators for p in params.values())
@@ -706,14 +739,13 @@ class Engine:
 
     def _finalize_accumulator(self, acc: _Accumulator) -> None:
         self._accumulators.pop(id(acc.param), None)
-        with torch.no_grad():
-            psg = acc.per_sample_grads()
-            if psg is None:
-                return
-            quantities = _Quantities(None, None, (), ["p"], psg.shape[0], psg={"p": psg})
-            for ext in self.first_order:
-                value = quantities.get(ext.quantity, ext.get_subsampling())["p"]
-                setattr(acc.param, ext.savefield, value)
+        psg = acc.per_sample_grads()
+        if psg is None:
+            return
+        quantities = _Quantities(None, None, (), ["p"], psg.shape[0], psg={"p": psg})
+        for ext in self.first_order:
+            value = quantities.get(ext.quantity, ext.get_subsampling())["p"]
+            setattr(acc.param, ext.savefield, value)
 
     # --- second order --------------------------------------------------------------------------
     def _run_second_order(self, record: Record, grads: tuple[Tensor | None, ...]) -> bool:
@@ -735,24 +767,33 @@ class Engine:
             rule = _GENERIC_RULE
         if rule.mixes_samples(record):
             raise NotImplementedError(f"{names} {_is_are(exts)} {_mixing_message(module)}")
+        if record.recomputed:
+            raise NotImplementedError(
+                f"{names} cannot reach {describe(module)}: it runs inside "
+                "torch.utils.checkpoint(..., use_reentrant=True), whose forward is recomputed "
+                "during the backward, after the curvature factors were propagated. Use "
+                "torch.utils.checkpoint(..., use_reentrant=False) (first-order extensions work "
+                "with both)."
+            )
         record.check_unmodified(exts[0].__class__.__name__)
         filled = tuple(
             torch.zeros_like(o) if g is None else g for g, o in zip(grads, record.outputs)
         )
-        with torch.no_grad():
-            for name, p in params.items():
-                self._cover(record, filled, rule, name, p, None)
         placement = self.layout.placement(record)
+        if rule.batch_size(record) == 0 and placement is None:
+            self._store_empty_second_order(record, params)
+            return False
+        for name, p in params.items():
+            self._cover(record, filled, rule, name, p, None)
         direct, shared = self._split_uses(record, params)
         if direct:
-            with torch.no_grad():
-                for ext in exts:
-                    if ext.factor == "sum":
-                        continue  # KFRA writes its factors from the module chain
-                    values = self._second_order_values(ext, record, rule, direct, placement)
-                    for name in direct:
-                        if name in values:
-                            setattr(params[name], ext.savefield, values[name])
+            for ext in exts:
+                if ext.factor == "sum":
+                    continue  # KFRA writes its factors from the module chain
+                values = self._second_order_values(ext, record, rule, direct, placement)
+                for name in direct:
+                    if name in values:
+                        setattr(params[name], ext.savefield, values[name])
         for name, uses in shared:
             p = params[name]
             curvature = self._curvatures.get(id(p))
@@ -762,6 +803,29 @@ class Engine:
             if curvature.seen >= curvature.expected:
                 self._finalize_curvature(curvature)
         return any(id(p) in self._curvatures for p in params.values())
+
+    def _store_empty_second_order(self, record: Record, params: dict[str, Tensor]) -> None:
+        """A call without samples: zero curvature, empty per-sample terms."""
+        for ext in self.second_order:
+            if ext.factor == "sum":
+                continue
+            if ext.output == "kron":
+                raise NotImplementedError(
+                    f"{ext.__class__.__name__} got a batch without samples at "
+                    f"{describe(record.module)}: Kronecker input factors are means over the "
+                    "samples. Skip empty batches."
+                )
+            columns = sum(v for v, _ in self.loss_columns.get(ext.factor_key, {}).values())
+            for p in params.values():
+                if ext.output == "diag":
+                    value: Any = torch.zeros_like(p)
+                elif ext.output == "batch_diag":
+                    value = p.new_zeros(0, *p.shape)
+                elif ext.output == "sqrt":
+                    value = p.new_zeros(columns, 0, *p.shape)
+                else:
+                    value = _zero_product
+                setattr(p, ext.savefield, value)
 
     def _simple_sqrt(self, ext: SecondOrderBackpropExtension, record: Record, placement) -> bool:
         """Whether a call's square root is its only term's factor as is (no assembly)."""
@@ -861,17 +925,16 @@ class Engine:
     def _assemble_sqrt(self) -> None:
         """Store square roots that several losses or sets of samples contributed to."""
         pending, self._sqrt_pieces = self._sqrt_pieces, {}
-        with torch.no_grad():
-            for ext, pieces in pending.values():
-                columns = {
-                    pos: v for pos, (v, _) in self.loss_columns.get(ext.factor_key, {}).items()
-                }
-                full = pieces.assemble(columns)
-                subsampling = ext.get_subsampling()
-                if subsampling is not None:
-                    index = torch.as_tensor(subsampling, dtype=torch.long, device=full.device)
-                    full = full[:, index]
-                setattr(pieces.param, ext.savefield, full)
+        for ext, pieces in pending.values():
+            columns = {
+                pos: v for pos, (v, _) in self.loss_columns.get(ext.factor_key, {}).items()
+            }
+            full = pieces.assemble(columns)
+            subsampling = ext.get_subsampling()
+            if subsampling is not None:
+                index = torch.as_tensor(subsampling, dtype=torch.long, device=full.device)
+                full = full[:, index]
+            setattr(pieces.param, ext.savefield, full)
 
     def _finalize_curvature(self, curvature: _ParamCurvature) -> None:
         """Second-order quantities of a parameter with several calls in the pass."""
@@ -884,13 +947,12 @@ class Engine:
         for call in calls:
             groups.setdefault(None if call[2] is None else call[2][0], []).append(call)
         cross = any(len(members) > 1 for members in groups.values())
-        with torch.no_grad():
-            for ext in self.second_order:
-                if ext.factor == "sum":
-                    continue
-                value = self._shared_value(ext, param, name, calls, cross)
-                if value is not None:
-                    setattr(param, ext.savefield, value)
+        for ext in self.second_order:
+            if ext.factor == "sum":
+                continue
+            value = self._shared_value(ext, param, name, calls, cross)
+            if value is not None:
+                setattr(param, ext.savefield, value)
 
     def _shared_value(
         self,
@@ -1041,7 +1103,10 @@ class Engine:
         """
         coverage = self._coverage.get(id(param))
         if coverage is None:
-            coverage = self._coverage[id(param)] = _Coverage(param, name, record.module, rule)
+            scale = self._scales.setdefault(id(record.module), [])
+            coverage = self._coverage[id(param)] = _Coverage(
+                param, name, record.module, rule, scale
+            )
             coverage.active = always or _due_for_check(param)
             if coverage.active:
                 fields = [e.savefield for e in self.extensions]
@@ -1059,6 +1124,8 @@ class Engine:
         else:
             part = rule.grad_sum_entries(record, grads, name, coverage.index)
         coverage.add(part)
+        if part.numel():
+            coverage.scale.append(part.detach().abs().max())
         coverage.low_precision = coverage.low_precision or self.low_precision
         return coverage
 

@@ -1,6 +1,6 @@
 """Recording: `extend` marks modules; their forwards leave a `Record` for the next backward.
 
-A record holds detached aliases of a module call's inputs and outputs (no extra memory, no graph)
+A record holds a module call's inputs and detached aliases of its outputs (no extra memory)
 and is owned by the autograd graph of that forward: the gradient hook registered on the outputs
 keeps it alive, so it is freed together with the graph and never outlives it. The module only keeps
 weak references, which the engine uses to count how often a module was used in a live graph.
@@ -71,6 +71,7 @@ class Record:
         "identity",
         "thread",
         "order",
+        "recomputed",
         "__weakref__",
     )
 
@@ -106,6 +107,8 @@ class Record:
         #: the thread that ran the forward (CUDA backward hooks run on other threads)
         self.thread = threading.get_ident()
         self.order = next(_ORDER)
+        #: the forward ran inside a backward pass (a reentrant checkpoint's recomputation)
+        self.recomputed = torch._C._current_graph_task_id() != -1
 
     @property
     def input0(self) -> Tensor:
@@ -331,10 +334,19 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
             outs: tuple[Tensor, ...] = (structure,)
         else:
             structure, outs = _detach(output), tuple(t.detach() for t in out_tensors)
+        # Inputs are kept as they are (they belong to the graph upstream of this call anyway):
+        # with backward(create_graph=True) the quantities stay differentiable w.r.t. them. An
+        # input that is also an output (in place) is detached: the node holding this record
+        # would otherwise hold itself.
+        def keep(a: Any) -> Any:
+            if isinstance(a, Tensor) and any(a is o for o in out_tensors):
+                return a.detach()
+            return a if isinstance(a, Tensor) else _detach(a)
+
         record = Record(
             module,
-            tuple(a.detach() if isinstance(a, Tensor) else _detach(a) for a in args),
-            {k: _detach(v) for k, v in kwargs.items()} if kwargs else {},
+            tuple(keep(a) for a in args),
+            {k: keep(v) for k, v in kwargs.items()} if kwargs else {},
             outs,
             structure,
         )

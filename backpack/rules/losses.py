@@ -107,7 +107,7 @@ class MSELossRule(LossRule):
 
     def reduction_factor(self, record: Record) -> float:  # noqa: D102
         out = record.args[0]
-        return 1.0 if record.module.reduction == "sum" else 1.0 / out.numel()
+        return 1.0 if record.module.reduction == "sum" else 1.0 / max(out.numel(), 1)
 
     def sqrt_hessian(self, record: Record) -> Tensor:  # noqa: D102
         out = record.args[0]
@@ -154,7 +154,9 @@ class CrossEntropyLossRule(LossRule):
             normaliser = w_target.sum()
         if module.reduction == "sum":
             return weight, 1.0
-        return weight, 1.0 / normaliser.item()
+        total = normaliser.item()
+        # every target ignored (or no sample): no term, no curvature (autograd's gradient is 0)
+        return weight, 1.0 / total if total else 0.0
 
     def reduction_factor(self, record: Record) -> float:  # noqa: D102
         return self._weights(record)[1]
@@ -206,7 +208,7 @@ class BCEWithLogitsLossRule(LossRule):
 
     def reduction_factor(self, record: Record) -> float:  # noqa: D102
         out = record.args[0]
-        return 1.0 if record.module.reduction == "sum" else 1.0 / out.numel()
+        return 1.0 if record.module.reduction == "sum" else 1.0 / max(out.numel(), 1)
 
     def sqrt_hessian(self, record: Record) -> Tensor:  # noqa: D102
         out = record.args[0]

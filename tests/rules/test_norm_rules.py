@@ -395,14 +395,9 @@ def test_frozen_weight_and_first_with_second_order():
     torch.testing.assert_close(bias.diag_ggn_exact, ref.diag(ref.ggn, "1.bias"))
 
 
-# --- engine limitations found while adding these rules (strict xfail: remove when fixed) ----
+# --- engine behaviour around these rules ------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine: the coverage check compares rounding noise when a gradient cancels to zero "
-    "(a convolution bias before InstanceNorm, float32) and warns spuriously",
-)
 def test_no_coverage_warning_for_bias_cancelled_by_instance_norm():
     torch.manual_seed(0)
     model = extend(
