@@ -67,3 +67,56 @@ class Curvature:
     def diag(self, mat, name):
         start, stop, shape = self._offsets[name]
         return mat.diagonal(dim1=-2, dim2=-1)[..., start:stop].reshape(*mat.shape[:-2], *shape)
+
+
+class SampleCurvature:
+    """Per-sample gradients, GGN and Hessian of a backward with any number of losses/forwards.
+
+    `outputs(call)` runs the model (through `call`, a functional version of it) and returns the
+    tensors the losses take; `terms(outputs)` returns the backward's per-sample terms `[N]`
+    (weights and reduction factors included) whose sum is the differentiated loss. The GGN of
+    sample n is Σ_outputs Jᵀ (∇² term_n w.r.t. that output) J, its definition.
+    """
+
+    @torch.backends.cudnn.flags(enabled=False)
+    def __init__(self, model, outputs, terms):
+        self.names, self.shapes, flat, unflatten = _flatten_params(model)
+
+        def f(vec):
+            return outputs(lambda *a, **k: functional_call(model, unflatten(vec), a, k))
+
+        outs = tuple(o.detach() for o in f(flat))
+        jacs = [
+            jacrev(lambda v, i=i: f(v)[i])(flat).reshape(-1, flat.numel())
+            for i in range(len(outs))
+        ]
+        n_total = terms(outs).shape[0]
+        per_sample = []
+        for n in range(n_total):
+            ggn = 0
+            for i, out in enumerate(outs):
+
+                def term(o, i=i, n=n, out=out):
+                    replaced = list(outs)
+                    replaced[i] = o.reshape(out.shape)
+                    return terms(tuple(replaced))[n]
+
+                hess = jacrev(jacrev(term))(out.flatten())
+                ggn = ggn + jacs[i].T @ hess @ jacs[i]
+            per_sample.append(ggn)
+        self.ggn_per_sample = torch.stack(per_sample)
+        self.ggn = self.ggn_per_sample.sum(0)
+        self.hessian = jacrev(jacrev(lambda v: terms(f(v)).sum()))(flat)
+        self.grads = jacrev(lambda v: terms(f(v)))(flat)  # [N, P]
+        self._offsets = {}
+        i = 0
+        for k, s in zip(self.names, self.shapes):
+            self._offsets[k] = (i, i + s.numel(), s)
+            i += s.numel()
+
+    block = Curvature.block
+    diag = Curvature.diag
+
+    def per_sample_grads(self, name):
+        start, stop, shape = self._offsets[name]
+        return self.grads[:, start:stop].reshape(-1, *shape)

@@ -96,7 +96,7 @@ def per_sample_losses(lossfunc: nn.Module, out: Tensor, y: Tensor) -> Tensor:
 
 
 def reference_per_sample_grads(
-    model: nn.Module, x: Any, lossfunc: nn.Module, y: Tensor
+    model: nn.Module, x: Any, lossfunc: nn.Module, y: Tensor, create_graph: bool = False
 ) -> dict[str, Tensor]:
     """Brute force: one backward per sample through the full-batch forward."""
     params = {k: p for k, p in model.named_parameters() if p.requires_grad}
@@ -105,7 +105,11 @@ def reference_per_sample_grads(
     rows = []
     for n in range(terms.shape[0]):
         grads = torch.autograd.grad(
-            terms[n], list(params.values()), retain_graph=True, allow_unused=True
+            terms[n],
+            list(params.values()),
+            retain_graph=True,
+            allow_unused=True,
+            create_graph=create_graph,
         )
         rows.append(
             [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params.values())]

@@ -1,0 +1,319 @@
+"""The engine in real training loops: mixed precision, torch.compile, checkpointing, odd inputs.
+
+References are plain autograd / torch.func in float64 (float32 for mixed precision).
+"""
+
+import warnings
+
+import pytest
+import torch
+from problems import reference_per_sample_grads
+from second_order_reference import Curvature
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from backpack import backpack, extend
+from backpack.extensions import (
+    GGNMP,
+    HMP,
+    KFAC,
+    KFLR,
+    KFRA,
+    PCHMP,
+    BatchDiagGGNExact,
+    BatchDiagGGNMC,
+    BatchDiagHessian,
+    BatchDotGrad,
+    BatchGrad,
+    BatchL2Grad,
+    DiagGGNExact,
+    DiagGGNMC,
+    DiagHessian,
+    SqrtGGNExact,
+    SqrtGGNMC,
+    SumGradSquared,
+    Variance,
+)
+
+DTYPE = torch.float64
+ALL = [
+    BatchGrad,
+    BatchL2Grad,
+    SumGradSquared,
+    Variance,
+    BatchDotGrad,
+    DiagGGNExact,
+    DiagGGNMC,
+    BatchDiagGGNExact,
+    BatchDiagGGNMC,
+    SqrtGGNExact,
+    SqrtGGNMC,
+    KFAC,
+    KFLR,
+    KFRA,
+    DiagHessian,
+    BatchDiagHessian,
+    GGNMP,
+    HMP,
+    PCHMP,
+]
+
+
+def mlp(dtype=DTYPE):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(dtype)
+
+
+def close(actual, expected, msg="", rtol=1e-7, atol=1e-10):
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=msg)
+
+
+def _flat(value, param):
+    """A quantity as one flat tensor (lists of factors concatenated, products applied)."""
+    if callable(value):
+        gen = torch.Generator().manual_seed(3)
+        value = value(torch.randn(2, *param.shape, generator=gen).to(param))
+    if isinstance(value, list):
+        return torch.cat([v.flatten() for v in value])
+    return value.flatten()
+
+
+# --- mixed precision -------------------------------------------------------------------------
+def _amp_models():
+    torch.manual_seed(0)
+    cnn = nn.Sequential(
+        nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 3)
+    )
+    mlp_ = nn.Sequential(nn.Linear(6, 8), nn.Sigmoid(), nn.Linear(8, 3))
+    return {"mlp": (mlp_, torch.randn(16, 6)), "cnn": (cnn, torch.randn(16, 2, 6, 6))}
+
+
+@pytest.mark.parametrize("extension", ALL, ids=lambda e: e.__name__)
+@pytest.mark.parametrize("model_name", ["mlp", "cnn"])
+def test_autocast_bfloat16_every_extension_runs_in_float32(extension, model_name):
+    model, x = _amp_models()[model_name]
+    model, lossfunc = extend(model), extend(nn.CrossEntropyLoss())
+    y = torch.randint(0, 3, (x.shape[0],))
+    results = {}
+    for amp in (False, True):
+        torch.manual_seed(1)
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            loss = lossfunc(model(x), y)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no spurious coverage warnings either
+            with backpack(extension()):
+                loss.backward()
+        results[amp] = {
+            n: _flat(getattr(p, extension().savefield), p) for n, p in model.named_parameters()
+        }
+    for name, value in results[True].items():
+        assert value.dtype == torch.float32, name
+        expected = results[False][name]
+        if extension in (DiagGGNMC, BatchDiagGGNMC, SqrtGGNMC, KFAC):
+            assert value.shape == expected.shape and torch.isfinite(value).all()
+            continue
+        # bfloat16 keeps 8 bits: the model itself differs at that level
+        error = (value - expected).norm() / expected.norm().clamp_min(1e-12)
+        assert error < 0.1, (name, float(error))
+
+
+# --- torch.compile ---------------------------------------------------------------------------
+def test_compiled_model_gives_the_eager_numbers():
+    model, lossfunc = extend(mlp()), extend(nn.CrossEntropyLoss())
+    compiled = torch.compile(model)
+    x, y = torch.randn(6, 4, dtype=DTYPE), torch.randint(0, 3, (6,))
+    exts = [BatchGrad, Variance, BatchL2Grad, DiagGGNExact, BatchDiagGGNExact, KFLR, GGNMP]
+    for run in (model, compiled):
+        with backpack(*[e() for e in exts]):
+            lossfunc(run(x), y).backward()
+        values = {(n, e): _flat(getattr(p, e().savefield), p) for n, p in model.named_parameters()
+                  for e in exts}
+        if run is model:
+            eager = values
+    for key, value in values.items():
+        close(value, eager[key], str(key), rtol=1e-9, atol=1e-12)
+
+
+# --- checkpointing ---------------------------------------------------------------------------
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint(reentrant):
+    model, lossfunc = extend(mlp()), extend(nn.CrossEntropyLoss())
+    x = torch.randn(5, 4, dtype=DTYPE, requires_grad=True)
+    y = torch.randint(0, 3, (5,))
+
+    def step(use_checkpoint, *exts):
+        model.zero_grad()
+        out = checkpoint(model, x, use_reentrant=reentrant) if use_checkpoint else model(x)
+        with backpack(*exts):
+            lossfunc(out, y).backward()
+        return {n: [p.grad_batch.clone()] + [getattr(p, e.savefield).clone() for e in exts[1:]]
+                for n, p in model.named_parameters()}
+
+    first = [BatchGrad(), Variance(), BatchL2Grad()]
+    plain, checked = step(False, *first), step(True, *first)
+    for name in plain:
+        for a, b in zip(checked[name], plain[name]):
+            close(a, b, name)
+    if reentrant:
+        with pytest.raises(NotImplementedError, match="use_reentrant=True.*use_reentrant=False"):
+            step(True, BatchGrad(), DiagGGNExact())
+    else:
+        second = [BatchGrad(), DiagGGNExact(), DiagHessian()]
+        plain, checked = step(False, *second), step(True, *second)
+        for name in plain:
+            for a, b in zip(checked[name], plain[name]):
+                close(a, b, name)
+
+
+# --- odd inputs ------------------------------------------------------------------------------
+@pytest.mark.parametrize("extension", [e for e in ALL if e not in (KFAC, KFLR, KFRA)],
+                         ids=lambda e: e.__name__)
+def test_empty_batch(extension):
+    model, lossfunc = extend(mlp()), extend(nn.CrossEntropyLoss())
+    loss = lossfunc(model(torch.randn(0, 4, dtype=DTYPE)), torch.zeros(0, dtype=torch.long))
+    with backpack(extension()):
+        loss.backward()
+    for p in model.parameters():
+        value = getattr(p, extension().savefield)
+        if callable(value):
+            value = value(torch.ones(1, *p.shape, dtype=DTYPE))
+            assert value.abs().max() == 0
+            continue
+        if extension in (BatchGrad, BatchDiagGGNExact, BatchDiagGGNMC, BatchDiagHessian):
+            assert value.shape == (0, *p.shape)
+        elif extension is BatchL2Grad:
+            assert value.shape == (0,)
+        elif extension is BatchDotGrad:
+            assert value.shape == (0, 0)
+        elif extension in (SqrtGGNExact, SqrtGGNMC):
+            assert value.shape[1:] == (0, *p.shape)
+        else:
+            assert value.shape == p.shape and value.abs().max() == 0
+
+
+@pytest.mark.parametrize("extension", [KFAC, KFLR])
+def test_empty_batch_kronecker_factors_refused_clearly(extension):
+    model, lossfunc = extend(mlp()), extend(nn.CrossEntropyLoss())
+    loss = lossfunc(model(torch.randn(0, 4, dtype=DTYPE)), torch.zeros(0, dtype=torch.long))
+    with pytest.raises(NotImplementedError, match="without samples.*Skip empty batches"):
+        with backpack(extension()):
+            loss.backward()
+
+
+def test_token_loss_with_every_target_ignored_has_zero_curvature():
+    model, lossfunc = extend(mlp()), extend(nn.CrossEntropyLoss(ignore_index=-1))
+    loss = lossfunc(model(torch.randn(5, 4, dtype=DTYPE)), torch.full((5,), -1))
+    exts = [BatchGrad(), DiagGGNExact(), BatchDiagGGNExact(), KFLR(), SqrtGGNExact(), DiagGGNMC()]
+    with backpack(*exts):
+        loss.backward()
+    for p in model.parameters():
+        assert torch.equal(p.grad, torch.zeros_like(p))  # what autograd says
+        for ext in exts:
+            value = getattr(p, ext.savefield)
+            value = value[0] if isinstance(value, list) else value  # KFLR: G (A is the input's)
+            assert value.abs().max() == 0
+
+
+def test_nan_in_one_sample_keeps_the_other_rows_exact_and_warns_nothing():
+    model, lossfunc = extend(mlp()), extend(nn.CrossEntropyLoss(reduction="sum"))
+    x, y = torch.randn(5, 4, dtype=DTYPE), torch.randint(0, 3, (5,))
+    x[2, 1] = float("nan")
+    # one forward per sample (a batched backward would spread the NaN: 0 * NaN = NaN)
+    summed = nn.CrossEntropyLoss(reduction="sum")
+    rows = [reference_per_sample_grads(mlp(), x[n : n + 1], summed, y[n : n + 1]) for n in range(5)]
+    reference = {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = lossfunc(model(x), y)
+        with backpack(BatchGrad(), BatchL2Grad(), Variance()):
+            loss.backward()
+    keep = [0, 1, 3, 4]
+    for name, p in model.named_parameters():
+        close(p.grad_batch[keep], reference[name][keep], name)
+        assert torch.isnan(p.grad_batch[2]).all()
+        close(p.batch_l2[keep], reference[name][keep].flatten(1).square().sum(1), name)
+
+
+def test_create_graph_keeps_per_sample_quantities_differentiable():
+    model, lossfunc = extend(mlp()), extend(nn.CrossEntropyLoss())
+    x = torch.randn(5, 4, dtype=DTYPE, requires_grad=True)
+    y = torch.randint(0, 3, (5,))
+    with backpack(BatchGrad(), BatchL2Grad()):
+        lossfunc(model(x), y).backward(create_graph=True)
+    weight = model[0].weight
+    (ours,) = torch.autograd.grad(weight.grad_batch.square().sum(), x, retain_graph=True)
+    (ours_l2,) = torch.autograd.grad(weight.batch_l2.sum(), x)
+    close(ours, ours_l2)
+
+    def psg_norm(inp):
+        grads = reference_per_sample_grads(model, inp, lossfunc, y, create_graph=True)
+        return grads["0.weight"].square().sum()
+
+    (expected,) = torch.autograd.grad(psg_norm(x), x)
+    close(ours, expected)
+    for p in model.parameters():
+        p.grad = None  # break autograd's parameter/gradient cycle
+
+
+# --- messages and graph walks ----------------------------------------------------------------
+def test_errors_name_the_module_by_its_path():
+    model = extend(nn.Sequential(nn.Linear(4, 3), nn.Sequential(nn.ReLU(), nn.BatchNorm1d(3))))
+    lossfunc = extend(nn.CrossEntropyLoss())
+    loss = lossfunc(model(torch.randn(6, 4)), torch.randint(0, 3, (6,)))
+    with pytest.raises(NotImplementedError, match=r"DiagGGNExact is undefined for '1\.1'"):
+        with backpack(DiagGGNExact()):
+            loss.backward()
+
+
+def test_functional_nonlinearity_named_as_torch_function():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 3), nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x)))
+
+    model, lossfunc = extend(Net()), extend(nn.CrossEntropyLoss())
+    loss = lossfunc(model(torch.randn(3, 4)), torch.randint(0, 2, (3,)))
+    with pytest.raises(NotImplementedError, match=r"DiagHessian needs .* torch\.tanh"):
+        with backpack(DiagHessian()):
+            loss.backward()
+
+
+@pytest.mark.parametrize("identity", [nn.Dropout(0.5), nn.Identity()], ids=["dropout", "identity"])
+def test_modules_returning_their_input_are_part_of_the_chain(identity):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), identity, nn.ReLU(), nn.Linear(5, 3)).to(DTYPE).eval()
+    plain = nn.Sequential(model[0], model[2], model[3])
+    x, y = torch.randn(6, 4, dtype=DTYPE), torch.randint(0, 3, (6,))
+    results = []
+    for net in (model, plain):
+        extend(net)
+        lossfunc = extend(nn.CrossEntropyLoss())
+        with backpack(KFRA(), DiagHessian()):
+            lossfunc(net(x), y).backward()
+        results.append([(p.kfra, p.diag_h.clone()) for p in net.parameters()])
+    for (kfra, diag), (kfra_ref, diag_ref) in zip(*results):
+        close(diag, diag_ref)
+        for a, b in zip(kfra, kfra_ref):
+            close(a, b)
+    ref = Curvature(plain, x, nn.CrossEntropyLoss(), y)
+    for name, p in plain.named_parameters():
+        close(p.diag_h, ref.diag(ref.hessian, name))
+
+
+def test_context_without_extended_modules_warns_once():
+    from backpack import engine
+
+    engine._WARNED_NOTHING.clear()
+    model = nn.Linear(3, 2)
+    with pytest.warns(UserWarning, match="no extended module take part"):
+        with backpack(BatchGrad()):
+            model(torch.randn(4, 3)).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with backpack(BatchGrad()):
+            model(torch.randn(4, 3)).sum().backward()
+    assert not hasattr(model.weight, "grad_batch")

@@ -1,0 +1,276 @@
+"""What counts as a sample: several losses, several forwards, siamese calls, flattened losses.
+
+Every quantity is compared with brute force (`SampleCurvature`: per-sample gradients and GGNs of
+the backward's per-sample terms by their definitions) in float64.
+"""
+
+import functools
+
+import pytest
+import torch
+from problems import assert_same_grad
+from problems.samples import SCENARIOS
+from second_order_reference import SampleCurvature
+from torch import nn
+
+from backpack import backpack, extend
+from backpack.extensions import (
+    GGNMP,
+    HMP,
+    KFAC,
+    KFLR,
+    KFRA,
+    BatchDiagGGNExact,
+    BatchDiagHessian,
+    BatchDotGrad,
+    BatchGrad,
+    BatchL2Grad,
+    DiagGGNExact,
+    DiagHessian,
+    SqrtGGNExact,
+    SqrtGGNMC,
+    SumGradSquared,
+    Variance,
+)
+
+ids = [s.id for s in SCENARIOS]
+HESSIAN = [s for s in SCENARIOS if "hessian" in s.tags]
+
+
+def scenario_id(scenario):
+    return scenario.id
+
+
+@functools.cache
+def reference(scenario_id):
+    scenario = next(s for s in SCENARIOS if s.id == scenario_id)
+    model, losses, data = scenario.build()
+    return SampleCurvature(
+        model,
+        lambda call: scenario.outputs(call, data),
+        lambda outs: scenario.terms(outs, losses, data),
+    )
+
+
+def run(scenario, *exts, backward=True):
+    model, losses, data = scenario.build()
+    plain = {k: g.detach().clone() for k, g in _plain_grads(scenario).items()}
+    extend(model)
+    for lossfunc in losses.values():
+        extend(lossfunc)
+    loss = scenario.loss(model, losses, data)
+    if backward:
+        with backpack(*exts):
+            loss.backward()
+    return model, plain, loss
+
+
+def _plain_grads(scenario):
+    model, losses, data = scenario.build()
+    scenario.loss(model, losses, data).backward()
+    return {k: p.grad for k, p in model.named_parameters()}
+
+
+def close(actual, expected, msg=""):
+    torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-9, msg=msg)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=ids)
+def test_first_order(scenario):
+    ref = reference(scenario.id)
+    subsampling = [0, 2, 2]
+    model, plain, _ = run(
+        scenario,
+        BatchL2Grad(),
+        SumGradSquared(),
+        Variance(),
+        BatchDotGrad(),
+        BatchGrad(subsampling=subsampling),
+    )
+    for name, p in model.named_parameters():
+        psg = ref.per_sample_grads(name)
+        close(p.grad_batch, psg[subsampling], name)
+        close(p.batch_l2, psg.flatten(1).square().sum(1), name)
+        close(p.sum_grad_squared, psg.square().sum(0), name)
+        close(p.variance, psg.var(0, unbiased=False), name)
+        close(p.batch_dot, psg.flatten(1) @ psg.flatten(1).T, name)
+        assert_same_grad(p.grad, plain[name])
+    model, _, _ = run(scenario, BatchGrad())
+    for name, p in model.named_parameters():
+        close(p.grad_batch, ref.per_sample_grads(name), name)
+        # rows sum to .grad whatever the sample layout
+        close(p.grad_batch.sum(0), p.grad, name)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=ids)
+def test_ggn_family(scenario):
+    ref = reference(scenario.id)
+    exts = [DiagGGNExact(), BatchDiagGGNExact(), GGNMP()]
+    if not scenario.signed:
+        exts.append(SqrtGGNExact())
+    model, plain, _ = run(scenario, *exts)
+    n = ref.grads.shape[0]
+    for name, p in model.named_parameters():
+        close(p.diag_ggn_exact, ref.diag(ref.ggn, name), name)
+        close(p.diag_ggn_exact_batch, ref.diag(ref.ggn_per_sample, name), name)
+        mat = torch.randn(3, *p.shape, dtype=p.dtype, device=p.device)
+        expected = (ref.block(ref.ggn, name) @ mat.flatten(1).T).T.reshape(mat.shape)
+        close(p.ggnmp(mat), expected, name)
+        if not scenario.signed:
+            sqrt = p.sqrt_ggn_exact
+            assert sqrt.shape[1] == n and sqrt.shape[2:] == p.shape
+            flat = sqrt.flatten(2)
+            close(torch.einsum("vnp,vnq->npq", flat, flat), ref.block(ref.ggn_per_sample, name))
+        assert_same_grad(p.grad, plain[name])
+
+
+@pytest.mark.parametrize("scenario", HESSIAN, ids=scenario_id)
+def test_hessian_family(scenario):
+    ref = reference(scenario.id)
+    model, _, _ = run(scenario, DiagHessian(), HMP())
+    for name, p in model.named_parameters():
+        close(p.diag_h, ref.diag(ref.hessian, name), name)
+        mat = torch.randn(2, *p.shape, dtype=p.dtype, device=p.device)
+        expected = (ref.block(ref.hessian, name) @ mat.flatten(1).T).T.reshape(mat.shape)
+        close(p.hmp(mat), expected, name)
+
+
+@pytest.mark.parametrize("scenario", HESSIAN, ids=scenario_id)
+def test_per_sample_hessian_diagonal_sums_to_the_diagonal(scenario):
+    model, _, _ = run(scenario, DiagHessian(), BatchDiagHessian())
+    for name, p in model.named_parameters():
+        close(p.diag_h_batch.sum(0), p.diag_h, name)
+
+
+def _scenario(prefix):
+    return [s for s in SCENARIOS if s.id.startswith(prefix)]
+
+
+@pytest.mark.parametrize(
+    "scenario", _scenario("multitask") + _scenario("two-forwards"), ids=scenario_id
+)
+def test_kflr_output_factor_adds_up_losses_and_forwards(scenario):
+    """For Linear layers on `[N, D]` inputs G is the bias's GGN block; A averages all inputs."""
+    ref = reference(scenario.id)
+    model, _, _ = run(scenario, KFLR())
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        prefix = f"{name}." if name else ""
+        g, a = module.weight.kflr
+        close(g, ref.block(ref.ggn, prefix + "bias"), name)
+        close(module.bias.kflr[0], g, name)
+        assert a.shape == (module.in_features, module.in_features)
+    if scenario.id.startswith("two-forwards"):
+        _, _, data = scenario.build()
+        x = torch.cat([data["x1"], data["x2"]])
+        close(model[0].weight.kflr[1], x.T @ x / x.shape[0])
+
+
+@pytest.mark.parametrize("scenario", _scenario("flattened-ce"), ids=scenario_id)
+def test_flattened_loss_kronecker_factors_match_the_unflattened_layout(scenario):
+    """KFLR of `logits.view(-1, C)` equals KFLR of the same logits as `[N, C, T]`."""
+    model, losses, data = scenario.build()
+    extend(model)
+    ce = extend(losses["ce"])
+    results = []
+    for flat in (True, False):
+        out = model(data["x"])
+        loss = scenario.loss(model, losses, data) if flat else ce(out.permute(0, 2, 1), data["y"])
+        with backpack(KFLR(), KFAC(mc_samples=2), SqrtGGNMC(mc_samples=2)):
+            loss.backward()
+        results.append({k: (p.kflr, p.kfac, p.sqrt_ggn_mc) for k, p in model.named_parameters()})
+    for name, (kflr, kfac, sqrt_mc) in results[0].items():
+        for got, expected in zip(kflr, results[1][name][0]):
+            close(got, expected, name)
+        assert [f.shape for f in kfac] == [f.shape for f in results[1][name][1]]
+        # Monte-Carlo columns: one per sample and position (positions never share a column)
+        n, t = data["y"].shape
+        assert sqrt_mc.shape[:2] == (2 * t, n)
+
+
+def test_negative_weight_refuses_square_roots_only():
+    scenario = next(s for s in SCENARIOS if s.signed)
+    with pytest.raises(NotImplementedError, match="negative weight.*no real square root"):
+        run(scenario, SqrtGGNExact())
+    with pytest.raises(NotImplementedError, match="negative weight"):
+        run(scenario, SqrtGGNMC())
+    # Kronecker factors subtract that loss's output factor
+    model, _, _ = run(scenario, KFLR())
+    ref = reference(scenario.id)
+    close(model.cls.weight.kflr[0], ref.block(ref.ggn, "cls.bias"))
+    close(model.reg.weight.kflr[0], ref.block(ref.ggn, "reg.bias"))
+
+
+def test_sqrt_columns_of_every_loss_concatenated():
+    scenario = next(s for s in SCENARIOS if s.id == "multitask-mean-0.3-2.0")
+    model, _, _ = run(scenario, SqrtGGNExact(), SqrtGGNMC(mc_samples=3))
+    # CE has 3 columns, MSE 2; the heads get zero columns for the loss they do not reach
+    for p in model.parameters():
+        assert p.sqrt_ggn_exact.shape[:2] == (5, 6)
+        assert p.sqrt_ggn_mc.shape[:2] == (6, 6)
+    assert model.cls.weight.sqrt_ggn_exact[3:].abs().max() == 0
+    assert model.reg.weight.sqrt_ggn_exact[:3].abs().max() == 0
+    assert model.trunk[0].weight.sqrt_ggn_exact[3:].abs().max() > 0
+
+
+def test_two_forwards_rows_follow_the_loss_calls():
+    """Row n < N1 holds the first batch's sample n; rows of the same samples in one call add."""
+    scenario = next(s for s in SCENARIOS if s.id == "two-forwards-mean-3-3")
+    model, _, _ = run(scenario, BatchGrad())
+    ref = reference(scenario.id)
+    grad_batch = model[0].weight.grad_batch
+    assert grad_batch.shape[0] == 6
+    close(grad_batch, ref.per_sample_grads("0.weight"))
+    # the old behaviour (rows of both batches summed) is not what we store
+    assert not torch.allclose(grad_batch[:3], grad_batch[:3] + grad_batch[3:])
+
+
+def test_previous_graph_and_unused_forward_are_ignored():
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)).to(torch.float64))
+    lossfunc = extend(nn.CrossEntropyLoss())
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 2, (5,))
+    previous = lossfunc(model(x), y)
+    previous.backward()  # its graph is still referenced
+    unused = model(torch.randn(7, 4, dtype=torch.float64))  # never reaches a loss
+    model.zero_grad()
+    loss = lossfunc(model(x), y)
+    with backpack(KFAC(), KFLR(), KFRA(), BatchGrad(), DiagHessian(), SqrtGGNExact()):
+        loss.backward()
+    fresh = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)).to(torch.float64)
+    fresh.load_state_dict(model.state_dict())
+    extend(fresh)
+    with backpack(KFLR(), BatchGrad(), DiagHessian(), SqrtGGNExact()):
+        lossfunc(fresh(x), y).backward()
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        assert p.grad_batch.shape[0] == 5
+        close(p.grad_batch, q.grad_batch, name)
+        close(p.diag_h, q.diag_h, name)
+        close(p.sqrt_ggn_exact, q.sqrt_ggn_exact, name)
+        for a, b in zip(p.kflr, q.kflr):
+            close(a, b, name)
+    assert unused.shape == (7, 2) and previous.requires_grad
+
+
+def test_call_reaching_no_extended_loss_among_several_sample_sets_is_refused():
+    model = extend(nn.Sequential(nn.Linear(4, 3)).to(torch.float64))
+    lossfunc = extend(nn.CrossEntropyLoss())
+    x1, x2, x3 = (torch.randn(n, 4, dtype=torch.float64) for n in (2, 3, 4))
+    loss = (
+        lossfunc(model(x1), torch.zeros(2, dtype=torch.long))
+        + lossfunc(model(x2), torch.zeros(3, dtype=torch.long))
+        + model(x3).square().sum()  # a third forward that reaches no extended loss
+    )
+    with pytest.raises(RuntimeError, match="reaches none of the extended loss functions"):
+        with backpack(BatchGrad()):
+            loss.backward()
+
+
+def test_several_calls_with_different_sizes_without_extended_loss_are_refused():
+    model = extend(nn.Linear(4, 3).to(torch.float64))
+    x1, x2 = torch.randn(2, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    loss = model(x1).square().sum() + model(x2).square().sum()
+    with pytest.raises(RuntimeError, match="different numbers of samples.*Extend the loss"):
+        with backpack(BatchGrad()):
+            loss.backward()
