@@ -151,14 +151,15 @@ def _refuse_dropout(record: Record, what: str) -> None:
 
 
 class _Forward:
-    """Recomputed intermediates of one call (batch-first, heads split)."""
+    """Recomputed intermediates of one call (batch-first; heads `[N, H, T, d]`, contiguous)."""
 
     def __init__(self, call: _Call, index: Tensor | None = None) -> None:
         module = call.module
         xq, xk, xv = call.xq, call.xk, call.xv
         mask, drop = call.mask, call.dropout
         if index is not None:
-            xq, xk, xv = xq[index], xk[index], xv[index]
+            picked: dict[int, Tensor] = {}
+            xq, xk, xv = (picked.setdefault(id(t), t[index]) for t in (xq, xk, xv))
             if mask is not None and mask.shape[0] != 1:
                 mask = mask[index]
             if drop is not None:
@@ -169,32 +170,37 @@ class _Forward:
         e, h = module.embed_dim, module.num_heads
         d = e // h
         self.heads, self.head_dim, self.scale = h, d, 1.0 / math.sqrt(d)
-        w_q, w_k, w_v = _projection_weights(module, dtype)
-        b = None if module.in_proj_bias is None else module.in_proj_bias.detach().to(dtype)
-        b_q, b_k, b_v = (None, None, None) if b is None else b.chunk(3)
-        if call.self_attention and module.in_proj_weight is not None:
-            q, k, v = F.linear(xq, module.in_proj_weight.detach().to(dtype), b).chunk(3, -1)
-        else:
-            q, k, v = F.linear(xq, w_q, b_q), F.linear(xk, w_k, b_k), F.linear(xv, w_v, b_v)
         n, length, s0 = xq.shape[0], xq.shape[1], xk.shape[1]
         self.keys = s0
         self.bias_kv = module.bias_k is not None
-        if self.bias_kv:
-            k = torch.cat([k, module.bias_k.detach().to(dtype).expand(n, 1, e)], 1)
-            v = torch.cat([v, module.bias_v.detach().to(dtype).expand(n, 1, e)], 1)
-        self.qh = q.reshape(n, length, h, d).transpose(1, 2)
-        kh = k.reshape(n, k.shape[1], h, d).transpose(1, 2)
-        vh = v.reshape(n, v.shape[1], h, d).transpose(1, 2)
-        if module.add_zero_attn:
+        self.zero_attn = bool(module.add_zero_attn)
+        b = None if module.in_proj_bias is None else module.in_proj_bias.detach().to(dtype)
+        if call.self_attention and module.in_proj_weight is not None and not self.bias_kv:
+            # one GEMM and one copy into the head-major layout of q, k and v together
+            qkv = F.linear(xq, module.in_proj_weight.detach().to(dtype), b)
+            qkv = qkv.reshape(n, length, 3, h, d).permute(2, 0, 3, 1, 4).contiguous()
+            qh, kh, vh = qkv.unbind(0)
+        else:
+            w_q, w_k, w_v = _projection_weights(module, dtype)
+            b_q, b_k, b_v = (None, None, None) if b is None else b.chunk(3)
+            q, k, v = F.linear(xq, w_q, b_q), F.linear(xk, w_k, b_k), F.linear(xv, w_v, b_v)
+            if self.bias_kv:
+                k = torch.cat([k, module.bias_k.detach().to(dtype).expand(n, 1, e)], 1)
+                v = torch.cat([v, module.bias_v.detach().to(dtype).expand(n, 1, e)], 1)
+            qh = q.reshape(n, length, h, d).transpose(1, 2).contiguous()
+            kh = k.reshape(n, k.shape[1], h, d).transpose(1, 2).contiguous()
+            vh = v.reshape(n, v.shape[1], h, d).transpose(1, 2).contiguous()
+        if self.zero_attn:
             kh = F.pad(kh, (0, 0, 0, 1))
             vh = F.pad(vh, (0, 0, 0, 1))
-        self.kh, self.vh = kh, vh
-        scores = torch.matmul(self.qh * self.scale, kh.transpose(-1, -2))
+        self.qh, self.kh, self.vh = qh, kh, vh
+        scores = torch.matmul(qh, kh.transpose(-1, -2)).mul_(self.scale)
         if mask is not None:
-            scores = scores + mask
+            scores = scores.add_(mask)
         p = torch.softmax(scores, -1)
         if call.safe and mask is not None:
-            p = p.masked_fill(torch.isneginf(scores).all(-1, keepdim=True), 0.0)
+            p = p.masked_fill_(torch.isneginf(scores).all(-1, keepdim=True), 0.0)
+        del scores
         self.p = p
         self.dropout = drop
         self.pd = p if drop is None else p * drop
@@ -202,44 +208,63 @@ class _Forward:
         self.w_out = module.out_proj.weight.detach().to(dtype)
 
     def backward(self, gy: Tensor | None, gw: Tensor | None, average: bool) -> dict[str, Tensor]:
-        """δq `[*, N, L, E]`, δk, δv `[*, N, S₀, E]` and δbias_k/v `[*, N, E]` (or None).
+        """δq `[*, N, L, E]`, δk, δv `[*, N, S₀, E]` and δbias_k/v `[*, N, E]` (if any).
 
         `gy` `[*, N, L, E]` and `gw` (`[*, N, L, S]` averaged, else `[*, N, H, L, S]`) may carry
-        leading column axes `*`; either may be None (no gradient at that output).
+        leading column axes `*`; either may be None (no gradient at that output). With as many
+        keys as queries, δq, δk, δv are views into one `[*, N, L, 3E]` tensor, "qkv".
         """
         h, d = self.heads, self.head_dim
-        n, length = self.qh.shape[0], self.qh.shape[2]
+        n, length, e = self.qh.shape[0], self.qh.shape[2], h * d
         ref = gy if gy is not None else gw
         lead = ref.shape[: ref.dim() - (3 if gy is not None or average else 4)]
         gpd = None
         gvh = None
         if gy is not None:
             go = torch.matmul(gy, self.w_out)
-            goh = go.reshape(*lead, n, length, h, d).transpose(-3, -2)
+            goh = go.reshape(*lead, n, length, h, d).transpose(-3, -2).contiguous()
+            del go
             gpd = torch.matmul(goh, self.vh.transpose(-1, -2))
             gvh = torch.matmul(self.pd.transpose(-1, -2), goh)
+            del goh
         if gw is not None:
             extra = gw.unsqueeze(-3) / h if average else gw
-            gpd = extra.expand(*lead, *self.p.shape) if gpd is None else gpd + extra
+            gpd = extra.expand(*lead, *self.p.shape) if gpd is None else gpd.add_(extra)
         gp = gpd if self.dropout is None else gpd * self.dropout
-        gs = self.p * (gp - (gp * self.p).sum(-1, keepdim=True))
-        gs = gs * self.scale
+        # δs = P ⊙ (δP − rowsum(δP ⊙ P)), scaled by 1/√d for both products below
+        gs = (gp - (gp * self.p).sum(-1, keepdim=True)).mul_(self.p).mul_(self.scale)
+        del gp, gpd
         gqh = torch.matmul(gs, self.kh)
         gkh = torch.matmul(gs.transpose(-1, -2), self.qh)
-        rows = self.keys + int(self.bias_kv)
-        gkh = gkh[..., :rows, :]
-        if gvh is None:
-            gvh = torch.zeros_like(gkh)
-        else:
-            gvh = gvh[..., :rows, :]
+        del gs
+        s0 = self.keys
+        result = {}
+        if self.bias_kv:
+            result["bias_k"] = gkh[..., s0, :].reshape(*lead, n, e)
+            result["bias_v"] = (
+                gvh[..., s0, :].reshape(*lead, n, e)
+                if gvh is not None
+                else gkh.new_zeros(*lead, n, e)
+            )
+        if s0 == length:
+            qkv = torch.empty(*lead, n, length, 3, h, d, dtype=ref.dtype, device=ref.device)
+            qkv[..., 0, :, :].copy_(gqh.transpose(-3, -2))
+            qkv[..., 1, :, :].copy_(gkh[..., :s0, :].transpose(-3, -2))
+            if gvh is None:
+                qkv[..., 2, :, :].zero_()
+            else:
+                qkv[..., 2, :, :].copy_(gvh[..., :s0, :].transpose(-3, -2))
+            qkv = qkv.reshape(*lead, n, length, 3 * e)
+            result["qkv"] = qkv
+            result["q"], result["k"], result["v"] = qkv.split(e, -1)
+            return result
 
         def merge(t: Tensor) -> Tensor:
-            return t.transpose(-3, -2).reshape(*t.shape[:-3], t.shape[-2], h * d)
+            return t[..., :s0, :].transpose(-3, -2).reshape(*lead, n, s0, e)
 
-        gq, gk, gv = merge(gqh), merge(gkh), merge(gvh)
-        result = {"q": gq, "k": gk[..., : self.keys, :], "v": gv[..., : self.keys, :]}
-        if self.bias_kv:
-            result["bias_k"], result["bias_v"] = gk[..., self.keys, :], gv[..., self.keys, :]
+        result["q"] = gqh.transpose(-3, -2).reshape(*lead, n, length, e)
+        result["k"] = merge(gkh)
+        result["v"] = merge(gvh) if gvh is not None else result["k"].new_zeros(result["k"].shape)
         return result
 
 
@@ -455,23 +480,29 @@ class MultiheadAttentionRule(ModuleRule):
             gy = gy.transpose(lead, lead + 1)
         return gy, gw
 
-    def _grads(self, record: Record, grad_outputs: GradOutputs) -> dict[str, Tensor]:
-        """Backward of this call's output gradients, computed once per set of gradients."""
+    def _grads(
+        self, record: Record, grad_outputs: GradOutputs
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """Backward of this call's output gradients, once per set of gradients.
+
+        Returns the gradients at q, k, v, o, y and a store of the per-sample parameter
+        gradients materialised so far for them (shared by all first-order extensions).
+        """
         cached = record.extra.get(_GRADS)
         present = [g for g in grad_outputs if g is not None]
         if cached is not None and len(cached[0]) == len(present):
             if all(r() is g for r, g in zip(cached[0], present)):
-                return cached[1]
+                return cached[1], cached[2]
         fwd = self._forward(record)
         gy, gw = self._output_grads(record, grad_outputs, 0)
-        result = {"y": gy, "o": fwd.o}
         if gy is None and gw is None:
             raise RuntimeError("MultiheadAttention: no output gradient reached the call.")
-        result.update(fwd.backward(gy, gw, _bind(record)["average_attn_weights"]))
-        if gy is None:
-            result["y"] = torch.zeros_like(fwd.o)
-        record.extra[_GRADS] = (tuple(weakref.ref(g) for g in present), result)
-        return result
+        result = fwd.backward(gy, gw, _bind(record)["average_attn_weights"])
+        result["y"] = torch.zeros_like(fwd.o) if gy is None else gy
+        result["o"] = fwd.o
+        store: dict[str, Tensor] = {}
+        record.extra[_GRADS] = (tuple(weakref.ref(g) for g in present), result, store)
+        return result, store
 
     # --- parameters as contractions ------------------------------------------------------------
     @staticmethod
@@ -486,7 +517,7 @@ class MultiheadAttentionRule(ModuleRule):
             return [(fwd.xv, g["v"])]
         # in_proj_weight
         if self_attention:
-            return [(fwd.xq, torch.cat([g["q"], g["k"], g["v"]], -1))]
+            return [(fwd.xq, g["qkv"])]
         return [(fwd.xq, g["q"]), (fwd.xk, g["k"]), (fwd.xv, g["v"])]
 
     @staticmethod
@@ -495,6 +526,8 @@ class MultiheadAttentionRule(ModuleRule):
         if name == "out_proj.bias":
             return g["y"].sum(-2)
         if name == "in_proj_bias":
+            if "qkv" in g:
+                return g["qkv"].sum(-2)
             return torch.cat([g["q"].sum(-2), g["k"].sum(-2), g["v"].sum(-2)], -1)
         value = g[name]  # bias_k, bias_v: [*, N, E] -> [*, N, 1, 1, E]
         return value.unsqueeze(-2).unsqueeze(-2)
@@ -503,36 +536,49 @@ class MultiheadAttentionRule(ModuleRule):
         return self._forward(record).self_attention
 
     def _values(
-        self, record: Record, g: dict[str, Tensor], fwd: _Forward, names: Names, how: str
+        self,
+        record: Record,
+        g: dict[str, Tensor],
+        fwd: _Forward,
+        names: Names,
+        how: str,
+        store: dict[str, Tensor] | None = None,
     ) -> dict[str, Tensor]:
+        """One first-order quantity (`how`) of each parameter from the gradients `g`.
+
+        Per-sample gradients found in `store` are reduced directly; those materialised here
+        are added to it. Otherwise weights use the fused Linear-like forms.
+        """
         self_attention = self._is_self_attention(record)
+        store = {} if store is None else store
         grams: dict[int, Tensor] = {}
         result = {}
         for name in names:
-            if name in _WEIGHTS:
+            psg = store.get(name)
+            if psg is None and name not in _WEIGHTS:
+                psg = store[name] = self._bias(name, g)
+            if psg is None:
                 blocks = self._blocks(name, fwd, g, self_attention)
-                if how == "psg":
-                    result[name] = _blocks_psg(blocks)
-                elif how == "l2":
+                if how == "l2":
                     result[name] = _blocks_l2(blocks, grams)
-                elif how == "dot":
+                    continue
+                if how == "dot":
                     result[name] = _blocks_dot(blocks)
-                elif how == "sgs":
-                    result[name] = _blocks_psg(blocks).square().sum(0)
-                else:  # "sum"
+                    continue
+                if how == "sum":
                     result[name] = _blocks_sum(blocks)
-                continue
-            b = self._bias(name, g)
+                    continue
+                psg = store[name] = _blocks_psg(blocks)
             if how == "psg":
-                result[name] = b
+                result[name] = psg
             elif how == "l2":
-                result[name] = b.flatten(1).square().sum(1)
+                result[name] = psg.flatten(1).square().sum(1)
             elif how == "dot":
-                result[name] = b.flatten(1) @ b.flatten(1).T
+                result[name] = psg.flatten(1) @ psg.flatten(1).T
             elif how == "sgs":
-                result[name] = b.square().sum(0)
-            else:
-                result[name] = b.sum(0)
+                result[name] = psg.square().sum(0)
+            else:  # "sum"
+                result[name] = psg.sum(0)
         return result
 
     # --- first order -------------------------------------------------------------------------
@@ -545,43 +591,46 @@ class MultiheadAttentionRule(ModuleRule):
     ) -> dict[str, Tensor]:
         """`[N, *param.shape]` for every requested parameter."""
         if subsampling is None:
-            g = self._grads(record, grad_outputs)
-            return self._values(record, g, self._forward(record), names, "psg")
+            g, store = self._grads(record, grad_outputs)
+            return self._values(record, g, self._forward(record), names, "psg", store)
         fwd = self._forward(record)
         index = torch.as_tensor(list(subsampling), dtype=torch.long, device=fwd.o.device)
         gy, gw = self._output_grads(record, grad_outputs, 0)
         gy = None if gy is None else gy[index]
         gw = None if gw is None else gw[index]
         sub = _Forward(self._call(record), index)
-        g = {"y": torch.zeros_like(sub.o) if gy is None else gy, "o": sub.o}
-        g.update(sub.backward(gy, gw, _bind(record)["average_attn_weights"]))
+        g = sub.backward(gy, gw, _bind(record)["average_attn_weights"])
+        g["y"] = torch.zeros_like(sub.o) if gy is None else gy
+        g["o"] = sub.o
         return self._values(record, g, sub, names, "psg")
 
     def batch_l2(self, record: Record, grad_outputs: GradOutputs, names: Names) -> dict:
         """Squared norms; Gram forms over positions where cheaper than materialising."""
-        g = self._grads(record, grad_outputs)
-        return self._values(record, g, self._forward(record), names, "l2")
+        g, store = self._grads(record, grad_outputs)
+        return self._values(record, g, self._forward(record), names, "l2", store)
 
     def sum_grad_squared(self, record: Record, grad_outputs: GradOutputs, names: Names) -> dict:
         """Σ_n of squared per-sample gradients."""
-        g = self._grads(record, grad_outputs)
-        return self._values(record, g, self._forward(record), names, "sgs")
+        g, store = self._grads(record, grad_outputs)
+        return self._values(record, g, self._forward(record), names, "sgs", store)
 
     def batch_dot(self, record: Record, grad_outputs: GradOutputs, names: Names) -> dict:
         """`[N, N]` Gram matrices of per-sample gradients."""
-        g = self._grads(record, grad_outputs)
-        return self._values(record, g, self._forward(record), names, "dot")
+        g, store = self._grads(record, grad_outputs)
+        return self._values(record, g, self._forward(record), names, "dot", store)
 
     def grad_sum(self, record: Record, grad_outputs: GradOutputs, names: Names) -> dict:
         """This call's gradient, contracted over samples and positions at once."""
-        g = self._grads(record, grad_outputs)
-        return self._values(record, g, self._forward(record), names, "sum")
+        g, store = self._grads(record, grad_outputs)
+        return self._values(record, g, self._forward(record), names, "sum", store)
 
     def grad_sum_entries(
         self, record: Record, grad_outputs: GradOutputs, name: str, index: Tensor
     ) -> Tensor:
         """A few entries of this call's gradient (the engine's coverage probes)."""
-        g = self._grads(record, grad_outputs)
+        g, store = self._grads(record, grad_outputs)
+        if name in store:
+            return store[name].flatten(1)[:, index].sum(0)
         fwd = self._forward(record)
         if name in _WEIGHTS:
             blocks = self._blocks(name, fwd, g, self._is_self_attention(record))
@@ -747,24 +796,22 @@ class MultiheadAttentionRule(ModuleRule):
             g = None
             if any(_kron_kind(n, self_attention) != "out" for n in names):
                 g = fwd.backward(fy_c, fw_c, _bind(record)["average_attn_weights"])
-            for name in names:
-                kind = _kron_kind(name, self_attention)
+            for kind in {_kron_kind(n, self_attention) for n in names} - {"dense"}:
                 if kind == "out":
                     if fy_c is not None:
                         add("out", outer(fy_c))
-                elif kind == "qkv":
-                    add("qkv", outer(torch.cat([g["q"], g["k"], g["v"]], -1)))
-                elif kind in ("q", "k", "v"):
+                else:  # "qkv", "q", "k", "v": the gradient at that projection's output
                     add(kind, outer(g[kind]))
+            for name in names:
+                if _kron_kind(name, self_attention) != "dense":
+                    continue
+                # in_proj_* of cross-attention, bias_k, bias_v: no use of y
+                if name in _WEIGHTS:
+                    sqrt = _blocks_psg(self._blocks(name, fwd, g, self_attention))
                 else:
-                    gg = dict(g)
-                    gg["y"], gg["o"] = fy_c, fwd.o
-                    if name in _WEIGHTS:
-                        sqrt = _blocks_psg(self._blocks(name, fwd, gg, self_attention))
-                    else:
-                        sqrt = self._bias(name, gg)
-                    flat = sqrt.reshape(-1, params[name].numel())
-                    dense[name] += flat.T @ flat
+                    sqrt = self._bias(name, g)
+                flat = sqrt.reshape(-1, params[name].numel())
+                dense[name] += flat.T @ flat
         e = record.module.embed_dim
         result: dict[str, list[Tensor]] = {}
         for name in names:

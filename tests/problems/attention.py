@@ -16,7 +16,6 @@ import math
 import torch
 from torch import nn
 
-from backpack.custom_module.permute import Permute
 from problems import Problem, randn
 
 TAGS = {"first", "second", "kron"}
@@ -77,7 +76,11 @@ class Attention(nn.Module):
         self.use_weights = use_weights
         extra = 0
         if use_weights:
-            s = (keys or 0) + int(mha.get("add_bias_kv", False)) + int(mha.get("add_zero_attn", False))
+            s = (
+                (keys or 0)
+                + int(mha.get("add_bias_kv", False))
+                + int(mha.get("add_zero_attn", False))
+            )
             self.weight_width = s
             extra = s * (1 if self.call.get("average_attn_weights", True) else heads)
         self.head = nn.Linear(d + extra, classes)
@@ -124,9 +127,15 @@ def attention_problem(pid, loss="ce-mean", n=4, t=3, features=5, tags=TAGS, xfai
     }[loss]
     if kwargs.get("use_weights") and kwargs.get("keys") is None:
         kwargs["keys"] = t
+    eval_mode = kwargs.pop("eval_mode", False)
+
+    def make():
+        model = Attention(features=features, ce=ce, **kwargs)
+        return model.eval() if eval_mode else model
+
     return Problem(
         pid,
-        lambda: Attention(features=features, ce=ce, **kwargs),
+        make,
         randn(n, t, features),
         make_loss,
         make_target=_seq_ce_target if ce else None,
@@ -217,9 +226,7 @@ class TinyTransformer(nn.Module):
         super().__init__()
         self.inp = nn.Linear(5, d)
         self.model = randomise(
-            nn.Transformer(
-                d, 2, 1, 1, dim_feedforward=6, dropout=0.0, batch_first=True
-            ),
+            nn.Transformer(d, 2, 1, 1, dim_feedforward=6, dropout=0.0, batch_first=True),
             0.5,
         )
         self.head = nn.Linear(d, classes)
@@ -430,6 +437,7 @@ PROBLEMS = [
         call={"is_causal": True},
     ),
     attention_problem("mha-no-bias-mse-mean", "mse-mean", bias=False),
+    attention_problem("mha-dropout-eval-ce-mean", "ce-mean", dropout=0.4, eval_mode=True),
     # --- transformer layers ----------------------------------------------------------------------
     _layer_problem("encoder-layer-post-norm-ce-mean", EncoderModel, "ce-mean"),
     _layer_problem(
