@@ -304,7 +304,7 @@ class GPTBlock(nn.Module):
     causal path) or "mask" (a boolean causal mask, weights computed and unused).
     """
 
-    def __init__(self, vocab=7, t=4, d=6, heads=2, positions="learned", masking="is_causal"):
+    def __init__(self, vocab=7, t=5, d=6, heads=2, positions="learned", masking="is_causal"):
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.positions = positions
@@ -364,7 +364,7 @@ def _gpt_problem(pid, positions, masking, loss="ce-mean", xfail=None):
     return Problem(
         pid,
         lambda: GPTBlock(positions=positions, masking=masking),
-        _tokens(7, 4, 4),
+        _tokens(7, 4, 5),
         make_loss,
         make_target=_seq_ce_target,
         tags={"first", "second"},
