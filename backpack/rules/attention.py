@@ -166,6 +166,7 @@ class _Forward:
                 drop = drop[index]
         self.xq, self.xk, self.xv = xq, xk, xv
         self.self_attention = call.self_attention
+        self.average = call.average
         dtype = xq.dtype
         e, h = module.embed_dim, module.num_heads
         d = e // h
@@ -207,7 +208,7 @@ class _Forward:
         self.o = torch.matmul(self.pd, vh).transpose(1, 2).reshape(n, length, e)
         self.w_out = module.out_proj.weight.detach().to(dtype)
 
-    def backward(self, gy: Tensor | None, gw: Tensor | None, average: bool) -> dict[str, Tensor]:
+    def backward(self, gy: Tensor | None, gw: Tensor | None) -> dict[str, Tensor]:
         """δq `[*, N, L, E]`, δk, δv `[*, N, S₀, E]` and δbias_k/v `[*, N, E]` (if any).
 
         `gy` `[*, N, L, E]` and `gw` (`[*, N, L, S]` averaged, else `[*, N, H, L, S]`) may carry
@@ -217,6 +218,7 @@ class _Forward:
         h, d = self.heads, self.head_dim
         n, length, e = self.qh.shape[0], self.qh.shape[2], h * d
         ref = gy if gy is not None else gw
+        average = self.average
         lead = ref.shape[: ref.dim() - (3 if gy is not None or average else 4)]
         gpd = None
         gvh = None
@@ -497,7 +499,7 @@ class MultiheadAttentionRule(ModuleRule):
         gy, gw = self._output_grads(record, grad_outputs, 0)
         if gy is None and gw is None:
             raise RuntimeError("MultiheadAttention: no output gradient reached the call.")
-        result = fwd.backward(gy, gw, _bind(record)["average_attn_weights"])
+        result = fwd.backward(gy, gw)
         result["y"] = torch.zeros_like(fwd.o) if gy is None else gy
         result["o"] = fwd.o
         store: dict[str, Tensor] = {}
@@ -599,7 +601,7 @@ class MultiheadAttentionRule(ModuleRule):
         gy = None if gy is None else gy[index]
         gw = None if gw is None else gw[index]
         sub = _Forward(self._call(record), index)
-        g = sub.backward(gy, gw, _bind(record)["average_attn_weights"])
+        g = sub.backward(gy, gw)
         g["y"] = torch.zeros_like(sub.o) if gy is None else gy
         g["o"] = sub.o
         return self._values(record, g, sub, names, "psg")
@@ -691,8 +693,8 @@ class MultiheadAttentionRule(ModuleRule):
         names: Names,
     ) -> dict[str, Tensor]:
         """Jᵀ f for columns `[V, N, *out]`: `{name: [V, N, *param.shape]}`."""
-        g = fwd.backward(fy, fw, _bind(record)["average_attn_weights"])
-        g["y"] = torch.zeros(*g["q"].shape[:-2], *fwd.o.shape[1:]).to(fwd.o) if fy is None else fy
+        g = fwd.backward(fy, fw)
+        g["y"] = fwd.o.new_zeros(*g["q"].shape[:-2], *fwd.o.shape[1:]) if fy is None else fy
         g["o"] = fwd.o
         self_attention = self._is_self_attention(record)
         result = {}
@@ -707,7 +709,8 @@ class MultiheadAttentionRule(ModuleRule):
         params = self._params(record, names)
         return {k: p.new_zeros(1, n, *p.shape) for k, p in params.items()}
 
-    def sqrt_factor(self, record, factors, names, subsampling=None):  # noqa: D102
+    def sqrt_factor(self, record, factors, names, subsampling=None):
+        """Jᵀ f for every factor column: `[V, N, *param.shape]`, in chunks of columns."""
         fy, fw, _ = self._factor_grads(record, factors)
         fwd = self._forward(record)
         if subsampling is not None:
@@ -718,8 +721,9 @@ class MultiheadAttentionRule(ModuleRule):
         if fy is None and fw is None:
             return self._zeros(record, names, fwd.o.shape[0])
         v = (fy if fy is not None else fw).shape[0]
-        pieces: dict[str, list[Tensor]] = {n: [] for n in names}
-        for cols in self._column_chunks(record, v, names):
+        chunks = self._column_chunks(record, v, names)
+        result: dict[str, Tensor] = {}
+        for cols in chunks:
             values = self._column_values(
                 record,
                 fwd,
@@ -727,11 +731,16 @@ class MultiheadAttentionRule(ModuleRule):
                 None if fw is None else fw[cols],
                 names,
             )
+            if len(chunks) == 1:
+                return values
             for name, value in values.items():
-                pieces[name].append(value)
-        return {n: torch.cat(p) if len(p) > 1 else p[0] for n, p in pieces.items()}
+                if name not in result:
+                    result[name] = value.new_empty(v, *value.shape[1:])
+                result[name][cols] = value
+        return result
 
-    def diag_from_factor(self, record, factors, names, coef, per_sample):  # noqa: D102
+    def diag_from_factor(self, record, factors, names, coef, per_sample):
+        """Σ_v coef (Jᵀ f)², from chunks of columns (never all of `[V, N, *param.shape]`)."""
         fy, fw, _ = self._factor_grads(record, factors)
         fwd = self._forward(record)
         n = fwd.o.shape[0]
@@ -795,7 +804,7 @@ class MultiheadAttentionRule(ModuleRule):
             fw_c = None if fw is None else fw[cols]
             g = None
             if any(_kron_kind(n, self_attention) != "out" for n in names):
-                g = fwd.backward(fy_c, fw_c, _bind(record)["average_attn_weights"])
+                g = fwd.backward(fy_c, fw_c)
             for kind in {_kron_kind(n, self_attention) for n in names} - {"dense"}:
                 if kind == "out":
                     if fy_c is not None:

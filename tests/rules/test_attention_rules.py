@@ -80,6 +80,11 @@ def _case(name):
         "no-weights": ({}, {"need_weights": False}, {}),
         "float-mask": ({}, {"attn_mask": torch.randn(t, t, generator=g)}, {}),
         "bool-mask-3d": ({"add_zero_attn": True}, {"attn_mask": bool3d}, {}),
+        "float-mask-3d-seq-first": (
+            {"batch_first": False, "add_bias_kv": True},
+            {"attn_mask": torch.randn(n * h, t, t, generator=g), "need_weights": False},
+            {},
+        ),
         "padding-sdpa": ({}, {"key_padding_mask": padding, "need_weights": False}, {}),
         "padding-float-weights": (
             {},
@@ -123,6 +128,7 @@ CASES = [
     "no-weights",
     "float-mask",
     "bool-mask-3d",
+    "float-mask-3d-seq-first",
     "padding-sdpa",
     "padding-float-weights",
     "causal-sdpa",
@@ -357,9 +363,7 @@ def test_kron_factors_follow_their_definitions(name):
             s = f
             x = fwd.o
         else:
-            g = fwd.backward(
-                f, factors[1] if len(factors) > 1 else None, call.get("average_attn_weights", True)
-            )
+            g = fwd.backward(f, factors[1] if len(factors) > 1 else None)
             s = g["qkv"] if kind == "qkv" else g[kind]
             x = {"qkv": fwd.xq, "q": fwd.xq, "k": fwd.xk, "v": fwd.xv}[kind]
         big_g = torch.einsum("vnto,vntp->op", s, s)
