@@ -9,6 +9,12 @@ uniform.
 Tags: "first", "second" everywhere; "kron" where every parameter has Kronecker factors
 (embeddings have none). No "hessian": the exact-Hessian extensions refuse attention (softmax
 and products of activations are nonlinear functional operations).
+
+Known engine limitations are strict xfails (`options["xfail"]`, applied by tests/conftest.py),
+each with its reason; tests/rules/test_attention_rules.py checks what does work in them:
+sequence-first transformer layers (their Linear and LayerNorm modules see `[T, N, F]`), GGNMP
+through `need_weights=False` attention (torch.func re-runs the fused SDPA kernel), and the GPT
+block whose position embedding runs on `torch.arange(T)` (its call has T rows, not N).
 """
 
 import math
