@@ -590,6 +590,19 @@ def products_check(kind: str) -> Check:
     return check
 
 
+#: layers whose parameters store one dense curvature block instead of Kronecker factors
+_DENSE_BLOCK_MODULES: tuple[type, ...] = tuple(
+    cls
+    for cls in (
+        nn.LayerNorm,
+        getattr(nn, "RMSNorm", None),
+        nn.GroupNorm,
+        nn.modules.instancenorm._InstanceNorm,
+    )
+    if cls is not None
+)
+
+
 def _dense_block_check(
     kind: str, ref: Reference, name: str, value: Any, param: Tensor
 ) -> list[Pair]:
@@ -613,8 +626,13 @@ def kron_check(kind: str) -> Check:
     def check(ref: Reference, name: str, value: Any, param: Tensor) -> list[Pair]:
         module_name, _, attr = name.rpartition(".")
         module = ref.model.get_submodule(module_name)
-        if not isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
+        if isinstance(module, _DENSE_BLOCK_MODULES):
             return _dense_block_check(kind, ref, name, value, param)
+        if not isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
+            raise Unchecked(f"no Kronecker reference for {type(module).__name__}")
+        if ref.calls(module_name) != 1:
+            # e.g. MultiheadAttention's out_proj, whose parameters it uses functionally
+            raise Unchecked(f"{module_name} is called {ref.calls(module_name)} times")
         is_weight = attr == "weight"
         if not isinstance(value, (list, tuple)) or len(value) != (2 if is_weight else 1):
             raise ShapeError(f"expected a list of {2 if is_weight else 1} Kronecker factors")

@@ -36,6 +36,7 @@ from backpack.extensions.backprop_extension import BackpropExtension
 from backpack.recording import extend
 from backpack.reference import CHECKS, RTOL, ExtensionCheck, Pair, Reference, ShapeError, Unchecked
 from backpack.reference import compare as _compare
+from backpack.rules import find_rule
 
 _BY_NAME = {c.name.lower(): c for c in CHECKS}
 _GROUPS = {"first": 1, "second": 2}
@@ -239,7 +240,7 @@ def _model_causes(model: nn.Module, x: Any) -> list[str]:
     outside = [
         f"{name}.{pname}" if name else pname
         for name, m in model.named_modules()
-        if next(m.children(), None) is not None
+        if next(m.children(), None) is not None and find_rule(m) is None
         for pname, p in m.named_parameters(recurse=False)
         if p.requires_grad
     ]
