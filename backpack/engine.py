@@ -311,6 +311,65 @@ def _store_empty_first_order(
             setattr(p, ext.savefield, value)
 
 
+def _move(obj: Any, axis: int) -> Any:
+    """`obj` (a tensor, or tuples/lists of them) with `axis` moved to the front."""
+    if isinstance(obj, Tensor):
+        return obj.movedim(axis, 0) if obj.dim() > axis else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_move(o, axis) for o in obj)
+    return obj
+
+
+def _moved_view(record: Record, axis: int) -> Record:
+    """A call whose samples run along `axis`, seen with samples along axis 0."""
+    extra = dict(record.extra)
+    if "factors" in extra:
+        extra["factors"] = {
+            key: {
+                pos: ([None if f is None else f.movedim(axis + 1, 1) for f in factors], sign)
+                for pos, (factors, sign) in per_loss.items()
+            }
+            for key, per_loss in extra["factors"].items()
+        }
+    for key in ("residuals", "residuals_diag", "residuals_mp"):
+        if extra.get(key):
+            raise NotImplementedError(
+                f"The Hessian extensions do not support {describe(record.module)} with its "
+                f"samples along axis {axis} (a sequence-first transformer layer). Use "
+                "batch_first=True, or the GGN extensions."
+            )
+    return record.view(
+        _move(record.args, axis),
+        {k: _move(v, axis) for k, v in record.kwargs.items()},
+        _move(record.outputs, axis),
+        _move(record.output_structure, axis),
+        extra,
+    )
+
+
+def _broadcast(obj: Any, n: int, front: bool) -> Any:
+    """`obj` repeated for `n` samples: along its size-1 axis 0 (`front`), else a new axis 0."""
+    if isinstance(obj, Tensor):
+        if front and obj.dim() > 0 and obj.shape[0] == 1:
+            return obj.expand(n, *obj.shape[1:])
+        return obj.unsqueeze(0).expand(n, *obj.shape)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_broadcast(o, n, front) for o in obj)
+    return obj
+
+
+def _broadcast_view(record: Record, n: int) -> Record:
+    """A call without a sample axis whose output is broadcast over `n` samples, per sample."""
+    front = record.outputs[0].dim() > 0 and record.outputs[0].shape[0] == 1
+    return record.view(
+        _broadcast(record.args, n, front),
+        dict(record.kwargs),
+        _broadcast(record.outputs, n, front),
+        _broadcast(record.output_structure, n, front),
+        record.extra,
+    )
+
+
 def _names(exts: Sequence[BackpropExtension]) -> str:
     return ", ".join(e.__class__.__name__ for e in exts)
 
@@ -473,6 +532,8 @@ class Engine:
     def reset(self) -> None:
         """Forget everything about the current backward pass (also after an exception)."""
         self._task_id = None
+        if getattr(self, "layout", None) is not None:
+            self.layout.close()
         self.layout = SampleLayout([])
         #: whether an extended loss started the second-order factors in this pass
         self.loss_seen = False
@@ -528,6 +589,7 @@ class Engine:
         """Run the active extensions on one module call whose output gradients are known."""
         try:
             self._enter_pass()
+            self.layout.explore(torch._C._current_autograd_node())
             self._process(record, grads)
         except BaseException:
             self.reset()  # the backward aborts: its end-of-pass callback will not run
@@ -574,7 +636,42 @@ class Engine:
             grads = promote_half(grads)
             self.low_precision = True
         with _no_autocast():
-            self._dispatch_rules(record, grads)
+            view, grads = self._view_for_rules(record, grads)
+            self._dispatch_rules(view, grads)
+
+    def _view_for_rules(
+        self, record: Record, grads: tuple[Tensor | None, ...]
+    ) -> tuple[Record, tuple[Tensor | None, ...]]:
+        """The call as rules expect it: samples along axis 0 of every input and output.
+
+        Two kinds of calls need a view: layers inside sequence-first transformer layers (their
+        samples run along axis 1), and calls whose output holds no sample axis at all but is
+        broadcast over the samples (a position embedding of `torch.arange(T)`).
+        """
+        site = self.layout.broadcast.get(id(record))
+        if site is not None and not record.freed:
+            per_sample = None
+            if site.captured is not None and grads[0] is not None:
+                per_sample = site.per_sample(site.captured, record.outputs[0].shape)
+            if per_sample is not None or record.extra.get("broadcast"):
+                n = per_sample.shape[0] if per_sample is not None else record.extra["broadcast"]
+                view = _broadcast_view(record, n)
+                if per_sample is not None:
+                    per_sample = promote_half(per_sample)
+                    total = per_sample.sum(0).reshape(grads[0].shape)
+                    if not torch.allclose(total, grads[0].to(total), rtol=1e-4, atol=1e-6):
+                        raise RuntimeError(
+                            f"The output of {describe(record.module)} holds no sample axis and "
+                            "is broadcast over the samples, but also used elsewhere, so its "
+                            "per-sample gradients cannot be told apart. Add the sample axis "
+                            "yourself (e.g. expand the positions to [N, T] before the embedding)."
+                        )
+                    grads = (per_sample.reshape(view.outputs[0].shape),)
+                return view, grads
+        axis = record.module.__dict__.get("_backpack_batch_axis", 0)
+        if axis and not record.freed and not is_loss(record.module):
+            return _moved_view(record, axis), tuple(_move(g, axis) for g in grads)
+        return record, grads
 
     def _dispatch_rules(self, record: Record, grads: tuple[Tensor | None, ...]) -> None:
         module = record.module
@@ -608,6 +705,8 @@ class Engine:
                     module.__dict__.pop(attr, None)
         if not self.retain_graph:
             record.free()
+            if record.origin is not None:
+                record.origin.free()
 
     def _split_uses(
         self, record: Record, params: dict[str, Tensor]

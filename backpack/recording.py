@@ -72,6 +72,7 @@ class Record:
         "thread",
         "order",
         "recomputed",
+        "origin",
         "__weakref__",
     )
 
@@ -109,6 +110,8 @@ class Record:
         self.order = next(_ORDER)
         #: the forward ran inside a backward pass (a reentrant checkpoint's recomputation)
         self.recomputed = torch._C._current_graph_task_id() != -1
+        #: for a view of another record (rules see a reshaped call): that record
+        self.origin: Record | None = None
 
     @property
     def input0(self) -> Tensor:
@@ -168,6 +171,26 @@ class Record:
             (-1 if stale else a._version) if isinstance(a, Tensor) else None for a in self.args
         )
         return True
+
+    def view(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        outputs: tuple[Tensor, ...],
+        output_structure: Any,
+        extra: dict[str, Any],
+    ) -> Record:
+        """The same call seen through other tensors (a moved or broadcast sample axis)."""
+        copy = Record.__new__(Record)
+        for slot in Record.__slots__:
+            if slot != "__weakref__":
+                setattr(copy, slot, getattr(self, slot))
+        copy.args, copy.kwargs = args, kwargs
+        copy.outputs, copy.output_structure = outputs, output_structure
+        # views share their bases' version counters: the original versions still apply
+        copy.extra = extra
+        copy.origin = self.origin or self
+        return copy
 
     def check_unmodified(self, extension_name: str) -> None:
         """Raise if an input was modified in place after the module's forward."""
@@ -505,6 +528,7 @@ def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) 
 
         module = convert_module_to_backpack(module, debug)
     _allow_repeated_compiled_backward()
+    _mark_sequence_first(module)
     for name, sub in module.named_modules():
         if name or "_backpack_path" not in sub.__dict__:
             # messages name modules by their path in the outermost model extended so far
@@ -519,6 +543,39 @@ def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) 
         if debug:
             print(f"[backpack] extending {name or '<root>'}: {sub.__class__.__name__}")
     return module
+
+
+_SEQUENCE_LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+
+
+def _sequence_first(layer: nn.Module) -> bool:
+    attention = getattr(layer, "self_attn", None)
+    return isinstance(attention, nn.MultiheadAttention) and not attention.batch_first
+
+
+def _mark_sequence_first(module: nn.Module) -> None:
+    """Tell the layers inside sequence-first transformer layers that axis 1 holds the samples.
+
+    `TransformerEncoderLayer(batch_first=False)` runs its Linear and LayerNorm submodules on
+    `[T, N, D]`; their rules expect samples along axis 0, and the engine moves the axis for them.
+    The stacks' final norms (`TransformerEncoder(norm=...)`) follow their layers.
+    """
+    for sub in module.modules():
+        if isinstance(sub, _SEQUENCE_LAYERS):
+            inside = [sub] if _sequence_first(sub) else []
+        elif isinstance(sub, (nn.TransformerEncoder, nn.TransformerDecoder)):
+            layers = list(sub.layers)
+            inside = [sub.norm] if layers and _sequence_first(layers[0]) and sub.norm else []
+        else:
+            continue
+        for owner in inside:
+            for child in owner.modules():
+                if child is sub or isinstance(child, nn.MultiheadAttention):
+                    continue
+                if any(child is m for a in owner.modules() if isinstance(a, nn.MultiheadAttention)
+                       for m in a.modules()):
+                    continue
+                child.__dict__["_backpack_batch_axis"] = 1
 
 
 def _allow_repeated_compiled_backward() -> None:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge
 
 from backpack.recording import (
     Record,
@@ -52,15 +53,117 @@ def loss_in_pass(record: Record) -> bool:
     return any(will_run(e) for e in record.input_edges if e is not None)
 
 
-def reachable_records(edges: list[Any]) -> dict[int, Record]:
-    """Recorded module calls reachable backward from `edges` (by id)."""
-    found: dict[int, Record] = {}
+def reachable_records(
+    edges: list[Any],
+    parents: dict[int, list[tuple[Any, int]]] | None = None,
+    skip: dict[int, Any] | None = None,
+) -> dict[int, tuple[Record, Any]]:
+    """Recorded module calls reachable backward from `edges`: id -> (record, producing node).
+
+    With `parents`, also collects the consumers of every node:
+    id(node) -> [(consumer, index of the edge in its next_functions)]. Nodes in `skip` are not
+    visited again (and newly visited ones are added to it).
+    """
+    found: dict[int, tuple[Record, Any]] = {}
     stack = [e.node for e in edges if e is not None]
     for node in walk_nodes(stack):
+        if skip is not None:
+            if id(node) in skip:
+                continue
+            skip[id(node)] = node
         for record, _, _ in records_at(node, freed=True):
-            found[id(record)] = record
-        stack.extend(n for n, _ in node.next_functions)
+            found[id(record)] = (record, node)
+        for index, (child, _) in enumerate(node.next_functions):
+            if child is None:
+                continue
+            if parents is not None:
+                parents.setdefault(id(child), []).append((node, index))
+            stack.append(child)
     return found
+
+
+#: nodes that only reshape: the gradient passes through them unchanged (up to its shape)
+_RESHAPE_NODES = {
+    "ViewBackward0",
+    "ReshapeAliasBackward0",
+    "UnsafeViewBackward0",
+    "UnsqueezeBackward0",
+    "ExpandBackward0",
+    "CloneBackward0",
+    "AliasBackward0",
+    "ToCopyBackward0",
+}
+
+
+class BroadcastSite:
+    """Where a call whose output holds no sample axis is broadcast over the samples.
+
+    A position embedding `nn.Embedding(T, D)(torch.arange(T))` is added to `[N, T, D]` token
+    embeddings: autograd sums the `[N, T, D]` gradient over the samples before it reaches the
+    embedding. A pre-hook on the broadcasting addition keeps the gradient of each sample.
+    """
+
+    def __init__(self, node: Any, scale: float) -> None:
+        self.node = node
+        #: factor between the addition's output gradient and this operand's (alpha, -1 for -)
+        self.scale = scale
+        self.captured: Tensor | None = None
+        self.handle = node.register_prehook(self._capture)
+
+    def _capture(self, grads: tuple) -> None:
+        self.captured = grads[0]
+
+    @property
+    def edge(self) -> GradientEdge:
+        """The gradient edge of the addition's output (a target for curvature factors)."""
+        return GradientEdge(self.node, 0)
+
+    def per_sample(self, grad: Tensor, out_shape: torch.Size, lead: int = 0) -> Tensor | None:
+        """`[*lead, N, *out_shape]` per-sample gradients from the addition's, or None.
+
+        `grad` is `[*lead, *P]` with P the addition's output shape; None if P is not a broadcast
+        of `out_shape` along a leading sample axis.
+        """
+        p_shape = grad.shape[lead:]
+        padded = (1,) * (len(p_shape) - len(out_shape)) + tuple(out_shape)
+        if len(padded) != len(p_shape) or padded[0] != 1 or p_shape[0] <= 1:
+            return None
+        dims = []
+        for i, (a, b) in enumerate(zip(padded, p_shape)):
+            if a != b and a != 1:
+                return None
+            if i > 0 and a == 1 and b != 1:
+                dims.append(lead + i)
+        reduced = grad.sum(dims, keepdim=True) if dims else grad
+        reduced = reduced.reshape(*grad.shape[:lead], p_shape[0], *out_shape)
+        return reduced * self.scale if self.scale != 1 else reduced
+
+
+def _broadcast_site(
+    record: Record, node: Any, parents: dict[int, list[tuple[Any, int]]]
+) -> BroadcastSite | None:
+    """The addition broadcasting `record`'s output (produced by `node`) over the samples."""
+    if len(record.outputs) != 1 or any(e is not None for e in record.input_edges):
+        return None
+    seen: set[int] = set()
+    while True:
+        consumers = {(id(p), i): (p, i) for p, i in parents.get(id(node), [])}
+        if len(consumers) != 1:
+            return None
+        consumer, index = next(iter(consumers.values()))
+        if id(consumer) in seen:
+            return None
+        seen.add(id(consumer))
+        name = consumer.name()
+        if name in _RESHAPE_NODES:
+            node = consumer
+            continue
+        if name not in ("AddBackward0", "SubBackward0"):
+            return None
+        alpha = float(getattr(consumer, "_saved_alpha", 1)) if index == 1 else 1.0
+        if name == "SubBackward0" and index == 1:
+            alpha = -alpha
+        return BroadcastSite(consumer, alpha)
 
 
 class SampleLayout:
@@ -83,12 +186,17 @@ class SampleLayout:
         self.total: int | None = None
         #: per group: why its rows cannot be told apart (an error message), if they cannot
         self._broken: dict[int, str] = {}
+        #: id(record) -> where its sample-free output is broadcast over the samples
+        self.broadcast: dict[int, BroadcastSite] = {}
+        #: nodes explored for broadcast sites, and the consumers of each node seen
+        self._visited: dict[int, Any] = {}
+        self._parents: dict[int, list[tuple[Any, int]]] = {}
 
     @classmethod
     def discover(cls, batch_size: Any) -> SampleLayout:
         """The layout of the running backward; `batch_size(record)` gives a call's sample count."""
         layout = cls([r for r in live_loss_records() if loss_in_pass(r)])
-        if len(layout.losses) > 1:
+        if layout.losses:
             layout.walk(batch_size)
         return layout
 
@@ -104,9 +212,21 @@ class SampleLayout:
             return
         self.walked = True
         reached: dict[int, tuple[Record, set[int]]] = {}
+        parents: dict[int, list[tuple[Any, int]]] = {}
+        nodes: dict[int, Any] = {}
         for pos, edges in enumerate(self._loss_edges):
-            for key, record in reachable_records(edges).items():
+            for key, (record, node) in reachable_records(edges, parents).items():
                 reached.setdefault(key, (record, set()))[1].add(pos)
+                nodes[key] = node
+        # everything the losses reach is explored: later hooks need not walk again
+        for consumers in parents.values():
+            for node, _ in consumers:
+                self._visited[id(node)] = node
+        for edges in self._loss_edges:
+            for e in edges:
+                self._visited[id(e.node)] = e.node
+        self._parents = parents
+        self._find_sites({k: (r, nodes[k]) for k, (r, _) in reached.items()})
         parent = list(range(len(self.losses)))
 
         def find(i: int) -> int:
@@ -129,7 +249,8 @@ class SampleLayout:
             self._groups[key] = group
             self._by_module.setdefault(id(record.module), []).append(record)
             if len(roots) > 1 and not record.freed and trainable_params(record.module):
-                sizes[group].setdefault(int(batch_size(record)), record)
+                if key not in self.broadcast:  # their samples are the broadcast's
+                    sizes[group].setdefault(int(batch_size(record)), record)
         if len(roots) < 2:
             return
         start = 0
@@ -145,6 +266,33 @@ class SampleLayout:
             start += rows
         self.total = start
 
+    def explore(self, node: Any) -> None:
+        """Look for broadcast sites upstream of `node` (the node whose hook is running).
+
+        Without an extended loss nothing was walked at the start of the pass; the first hook
+        runs at a node downstream of every call it can reach, before their consumers ran.
+        """
+        if node is None or id(node) in self._visited:
+            return
+        edges = [GradientEdge(node, 0)]
+        found = reachable_records(edges, self._parents, self._visited)
+        self._find_sites(found)
+
+    def _find_sites(self, found: dict[int, tuple[Record, Any]]) -> None:
+        for key, (record, node) in found.items():
+            if key in self.broadcast or record.freed or not trainable_params(record.module):
+                continue
+            site = _broadcast_site(record, node, self._parents)
+            if site is not None:
+                self.broadcast[key] = site
+
+    def close(self) -> None:
+        """Remove the hooks of the broadcast sites (end of the pass)."""
+        for site in self.broadcast.values():
+            site.handle.remove()
+            site.captured = None
+        self.broadcast = {}
+
     # --- per call ----------------------------------------------------------------------------
     @property
     def several_groups(self) -> bool:
@@ -155,7 +303,7 @@ class SampleLayout:
         """(first row, total rows) of a call's samples among the pass's, or None (all rows)."""
         if not self.several_groups:
             return None
-        group = self._groups.get(id(record))
+        group = self._groups.get(id(record.origin or record))
         if group is None:
             raise RuntimeError(
                 f"The call of {describe(record.module)} reaches none of the extended loss "
@@ -169,7 +317,7 @@ class SampleLayout:
 
     def reached(self, record: Record) -> bool:
         """Whether the walk found `record` (always True before a walk)."""
-        return not self.walked or id(record) in self._groups
+        return not self.walked or id(record.origin or record) in self._groups
 
     def uses(self, param: Tensor, batch_size: Any) -> int:
         """How many module calls of this pass use `param` directly."""

@@ -354,10 +354,29 @@ def on_loss_backward(engine: Engine, record: Record, grads: tuple[Tensor | None,
             engine.loss_columns.setdefault(key, {})[pos] = (s.shape[0], sign)
         sizes = [f.shape[0] for f in factors]
         convolutional = any(isinstance(r.module, nn.modules.conv._ConvNd) for r, _, _ in found)
+        # calls broadcast over the samples (position embeddings) take the factor before the
+        # broadcast's sum over samples
+        sites = [engine.layout.broadcast.get(id(r)) for r, _, _ in found]
+        extra_edges = [site.edge for site in sites if site is not None]
         results = propagate(
-            engine, out_edge, [e for _, _, e in found], torch.cat(factors), loop=convolutional
+            engine,
+            out_edge,
+            [e for _, _, e in found] + extra_edges,
+            torch.cat(factors),
+            loop=convolutional,
         )
-        for (target, index, _), result in zip(found, results):
+        broadcast_results = iter(results[len(found) :])
+        for (target, index, _), result, site in zip(found, results, sites):
+            if site is not None:
+                spread = next(broadcast_results)
+                shape = target.outputs[index].shape
+                per_sample = None if spread is None else site.per_sample(spread, shape, lead=1)
+                if per_sample is not None:
+                    n = per_sample.shape[1]
+                    target.extra["broadcast"] = n
+                    front = len(shape) > 0 and shape[0] == 1
+                    expanded = (n, *shape[1:]) if front else (n, *shape)
+                    result = per_sample.reshape(per_sample.shape[0], *expanded)
             if result is not None and result.dtype != factors[0].dtype:
                 result = result.to(factors[0].dtype)  # 16-bit outputs (mixed precision)
             per_key = target.extra.setdefault("factors", {})

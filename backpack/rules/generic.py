@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -27,18 +27,25 @@ def transformable(module: nn.Module) -> Iterator[None]:
     """Make `module` safe to call inside torch.func transforms (vmap, jvp, vjp).
 
     cuDNN's RNN kernels support none of them, so for a module containing an RNN cuDNN is off
-    for the duration.
+    for the duration; fused attention kernels have no forward-mode derivative, so attention
+    runs with the math kernel.
     """
-    if not torch.backends.cudnn.enabled or not any(
-        isinstance(m, nn.RNNBase) for m in module.modules()
-    ):
+    with ExitStack() as stack:
+        modules = list(module.modules())
+        if torch.backends.cudnn.enabled and any(isinstance(m, nn.RNNBase) for m in modules):
+            stack.enter_context(torch.backends.cudnn.flags(enabled=False))
+        if any(isinstance(m, nn.MultiheadAttention) for m in modules):
+            stack.enter_context(_math_attention())
         yield
-        return
-    torch.backends.cudnn.enabled = False
+
+
+def _math_attention() -> Any:
+    """`scaled_dot_product_attention` with its math kernel (differentiable in every mode)."""
     try:
-        yield
-    finally:
-        torch.backends.cudnn.enabled = True
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:  # pragma: no cover - torch < 2.3
+        return nullcontext()
+    return sdpa_kernel([SDPBackend.MATH])
 
 
 def _cotangents(record: Record, grad_outputs: GradOutputs, out_tensors: list[Tensor]) -> list:

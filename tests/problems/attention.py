@@ -244,26 +244,6 @@ class TinyTransformer(nn.Module):
         return self.head(out).transpose(1, 2)
 
 
-#: engine limitation: modules inside a sequence-first layer see `[T, N, F]` inputs
-SEQ_FIRST_XFAIL = (
-    "engine: the Linear and LayerNorm modules inside a batch_first=False transformer layer get "
-    "[T, N, F] inputs, and their rules take axis 0 (positions) for the samples"
-)
-#: engine limitation: GGNMP re-runs the module under forward-mode AD
-SDPA_GGNMP_XFAIL = (
-    "engine: GGNMP re-runs MultiheadAttention under torch.func; with need_weights=False it calls "
-    "scaled_dot_product_attention, whose fused CPU kernel has neither forward-mode AD nor a "
-    "double backward (generic.transformable should select SDPBackend.MATH)"
-)
-SEQ_FIRST_TESTS = (
-    "test_quantity_matches_autograd",
-    "test_all_extensions_at_once_and_subsampling",
-    "test_ggn_family",
-    "test_sqrt_ggn_subsampling",
-    # tests/rules/test_norm_rules.py picks the table's problems with a LayerNorm
-    "test_one_contraction_per_call_and_no_generic_fallback",
-    "test_kflr_and_kfac_are_dense_curvature_blocks",
-)
 
 
 def _layer_problem(pid, cls, loss, **kwargs):
@@ -274,9 +254,7 @@ def _layer_problem(pid, cls, loss, **kwargs):
         "mse-mean": lambda: nn.MSELoss(),
         "mse-sum": lambda: nn.MSELoss(reduction="sum"),
     }[loss]
-    xfail = {"test_ggn_family": SDPA_GGNMP_XFAIL}
-    if not kwargs.get("batch_first", True):
-        xfail = dict.fromkeys(SEQ_FIRST_TESTS, SEQ_FIRST_XFAIL)
+    xfail = None
     return Problem(
         pid,
         lambda: cls(ce=ce, **kwargs),
@@ -352,7 +330,6 @@ def _tokens(vocab, n, t):
     return lambda: torch.randint(0, vocab, (n, t))
 
 
-#: engine limitation: the position embedding's call has batch axis T, not N (see the report)
 POSITION_XFAIL = (
     "engine: nn.Embedding(T, D) applied to torch.arange(T) has T rows, not the N samples of the "
     "batch; its per-sample quantities are computed as if each position were a sample"
@@ -411,7 +388,6 @@ PROBLEMS = [
         "ce-mean",
         masks={"attn_mask": torch.randn(3, 3), "key_padding_mask": _padding(4, 3, kind="float")},
         call={"need_weights": False},
-        xfail={"test_ggn_family": SDPA_GGNMP_XFAIL},
     ),
     attention_problem(
         "mha-bool-mask-3d-mse-mean",
@@ -434,7 +410,6 @@ PROBLEMS = [
         call={"is_causal": True, "need_weights": False},
         add_bias_kv=True,
         add_zero_attn=True,
-        xfail={"test_ggn_family": SDPA_GGNMP_XFAIL},
     ),
     attention_problem(
         "mha-causal-with-weights-ce-mean",
@@ -463,8 +438,7 @@ PROBLEMS = [
         "gpt-sinusoidal-is-causal-ce-mean",
         "sinusoidal",
         "is_causal",
-        xfail={"test_ggn_family": SDPA_GGNMP_XFAIL},
     ),
     _gpt_problem("gpt-batched-positions-mask-ce-sum", "learned-batched", "mask", "ce-sum"),
-    _gpt_problem("gpt-learned-positions-ce-mean", "learned", "is_causal", xfail=POSITION_XFAIL),
+    _gpt_problem("gpt-learned-positions-ce-mean", "learned", "is_causal"),
 ]
