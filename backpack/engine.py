@@ -10,6 +10,7 @@ are accumulated until every live use has reported or the backward ends.
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -29,6 +30,7 @@ from backpack.extensions.backprop_extension import (
 )
 from backpack.extensions.firstorder.base import FirstOrderBackpropExtension
 from backpack.extensions.secondorder import SecondOrderBackpropExtension
+from backpack.functional_losses import find_functional_losses
 from backpack.recording import Record, describe, get_param, promote_half, trainable_params
 from backpack.rules import find_rule
 from backpack.rules.activations import find_activation_rule
@@ -515,6 +517,8 @@ class Engine:
         ]
         #: backward passes that met an extended module while this context was active
         self.passes = 0
+        #: losses called as functions in the running `backward()`: (record, autograd node)
+        self._functional: list[tuple[Record, Any]] = []
         self._task_id: int | None = None
         self.reset()
 
@@ -527,7 +531,8 @@ class Engine:
         self._task_id = torch._C._current_graph_task_id()
         self.passes += 1
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_pass)
-        self.layout = SampleLayout.discover(self.batch_size)
+        functional = [r for r, _ in self._functional]
+        self.layout = SampleLayout.discover(self.batch_size, functional)
 
     def reset(self) -> None:
         """Forget everything about the current backward pass (also after an exception)."""
@@ -583,6 +588,38 @@ class Engine:
                 self._after_module(module, record)
         finally:
             self.reset()
+
+    def start_backward(self, roots: list[Tensor]) -> list[Any]:
+        """Before a `backward()` from `roots` runs: find the losses called as functions.
+
+        Returns the pre-hooks installed on their nodes (the caller removes them afterwards).
+        """
+        self._functional = find_functional_losses(roots)
+        handles = []
+        for record, node in self._functional:
+
+            def hook(grads: tuple, record: Record = record) -> None:
+                self.on_functional_loss(record, grads)
+
+            handles.append(node.register_prehook(hook))
+        return handles
+
+    def end_backward(self) -> None:
+        """After a `backward()` returned (or raised)."""
+        self._functional = []
+
+    def on_functional_loss(self, record: Record, grads: tuple) -> None:
+        """Autograd reached a loss called as a function (`F.cross_entropy`, ...)."""
+        if CTX.propagating:
+            return
+        try:
+            self._enter_pass()
+            if self.second_order:
+                with _no_autocast():
+                    secondorder.on_loss_backward(self, record, promote_half(grads))
+        except BaseException:
+            self.reset()
+            raise
 
     # --- entry point from the gradient hooks -------------------------------------------------
     def on_module_backward(self, record: Record, grads: tuple[Tensor | None, ...]) -> None:
@@ -857,9 +894,12 @@ class Engine:
         names = _names(exts)
         if not self.loss_seen:
             raise RuntimeError(
-                f"{names} could not find an extended loss function in this backward pass. "
-                "Second-order extensions start from the loss: extend it too, e.g. "
-                "lossfunc = extend(torch.nn.CrossEntropyLoss()), and call backward on its output."
+                f"{names} could not find a loss function backpack knows in this backward pass. "
+                "Second-order extensions start from the loss: extend it, e.g. "
+                "lossfunc = extend(torch.nn.CrossEntropyLoss()), and call backward on its "
+                "output (or a weighted sum of such outputs). Losses called as functions are "
+                "recognised too: F.cross_entropy (without label_smoothing), F.mse_loss, "
+                "F.binary_cross_entropy_with_logits."
             )
         rule = find_rule(module)
         if rule is None:
@@ -1359,6 +1399,7 @@ class backpack:  # noqa: N801 (public name of the original API)
     def __enter__(self) -> backpack:
         self._engine = Engine(self.exts, self.extension_hook, self.debug, self.retain_graph)
         CTX.push_engine(self._engine)
+        _ROOTS.enter()
         return self
 
     def __exit__(self, exc_type: object, *exc_info: object) -> None:
@@ -1366,11 +1407,57 @@ class backpack:  # noqa: N801 (public name of the original API)
         if engine is not None:
             engine.reset()
             CTX.pop_engine(engine)
+            _ROOTS.exit()
             if exc_type is None and engine.extensions and engine.passes == 0:
                 _warn_nothing_extended(engine)
         self._engine = None
 
 
+class _BackwardRoots:
+    """Tells the engine which tensors a `backward()` starts from, while a context is active.
+
+    Hooks only see the nodes they sit on; the roots are what a walk needs to find losses
+    called as functions. `torch.autograd.backward` (which `Tensor.backward` calls) is wrapped
+    while at least one `backpack(...)` context is open, and restored when the last one closes.
+    """
+
+    def __init__(self) -> None:
+        self._depth = 0
+        self._original: Callable[..., Any] | None = None
+        self._lock = threading.Lock()
+        #: one bound method, so that `exit` recognises its own wrapper
+        self._wrapper = self._backward
+
+    def enter(self) -> None:
+        with self._lock:
+            self._depth += 1
+            if self._depth == 1 and torch.autograd.backward is not self._wrapper:
+                self._original = torch.autograd.backward
+                torch.autograd.backward = self._wrapper
+
+    def exit(self) -> None:
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0 and torch.autograd.backward is self._wrapper:
+                torch.autograd.backward = self._original
+
+    def _backward(self, tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        original = self._original
+        engine = CTX.engine
+        if engine is None or original is None:
+            return (original or _TORCH_BACKWARD)(tensors, *args, **kwargs)
+        roots = [tensors] if isinstance(tensors, Tensor) else list(tensors)
+        handles = engine.start_backward(roots)
+        try:
+            return original(tensors, *args, **kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+            engine.end_backward()
+
+
+_TORCH_BACKWARD = torch.autograd.backward
+_ROOTS = _BackwardRoots()
 _WARNED_NOTHING: list[bool] = []
 
 

@@ -184,6 +184,10 @@ class SampleLayout:
         #: per group: (first row, number of rows)
         self._rows: list[tuple[int, int]] = []
         self.total: int | None = None
+        #: per group: rows of the model (groups sharing parameters) it belongs to
+        self._model_rows: dict[int, int] = {}
+        #: groups that are the only samples of their model (no placement needed)
+        self._alone: set[int] = set()
         #: per group: why its rows cannot be told apart (an error message), if they cannot
         self._broken: dict[int, str] = {}
         #: id(record) -> where its sample-free output is broadcast over the samples
@@ -193,9 +197,14 @@ class SampleLayout:
         self._parents: dict[int, list[tuple[Any, int]]] = {}
 
     @classmethod
-    def discover(cls, batch_size: Any) -> SampleLayout:
-        """The layout of the running backward; `batch_size(record)` gives a call's sample count."""
-        layout = cls([r for r in live_loss_records() if loss_in_pass(r)])
+    def discover(cls, batch_size: Any, functional: list[Record] | None = None) -> SampleLayout:
+        """The layout of the running backward; `batch_size(record)` gives a call's sample count.
+
+        `functional` are the records of losses called as functions that this backward reaches
+        (found from its roots before it started).
+        """
+        losses = [r for r in live_loss_records() if loss_in_pass(r)]
+        layout = cls(losses + list(functional or ()))
         if layout.losses:
             layout.walk(batch_size)
         return layout
@@ -253,7 +262,28 @@ class SampleLayout:
                     sizes[group].setdefault(int(batch_size(record)), record)
         if len(roots) < 2:
             return
-        start = 0
+        # groups whose calls share a parameter belong to one model: its parameters get rows
+        # for all of them; separate models keep their own rows
+        model_of = list(range(len(roots)))
+
+        def top(g: int) -> int:
+            while model_of[g] != g:
+                model_of[g] = model_of[model_of[g]]
+                g = model_of[g]
+            return g
+
+        param_groups: dict[int, set[int]] = {}
+        for key, (record, _) in reached.items():
+            for p in trainable_params(record.module).values():
+                param_groups.setdefault(id(p), set()).add(self._groups[key])
+        for groups in param_groups.values():
+            first, *rest = sorted(groups)
+            for other in rest:
+                a, b = top(first), top(other)
+                if a != b:
+                    model_of[max(a, b)] = min(a, b)
+        starts: dict[int, int] = {}
+        self._rows = [(0, 0)] * len(roots)
         for group, found in enumerate(sizes):
             if len(found) > 1:
                 names = ", ".join(f"{describe(r.module)}: {n}" for n, r in found.items())
@@ -262,9 +292,13 @@ class SampleLayout:
                     f"of samples ({names}), so their samples cannot be matched"
                 )
             rows = next(iter(found), 0)
-            self._rows.append((start, rows))
-            start += rows
-        self.total = start
+            model = top(group)
+            start = starts.get(model, 0)
+            self._rows[group] = (start, rows)
+            starts[model] = start + rows
+        self._model_rows = {g: starts[top(g)] for g in range(len(roots))}
+        self._alone = {g for g in range(len(roots)) if self._model_rows[g] == self._rows[g][1]}
+        self.total = max(starts.values())
 
     def explore(self, node: Any) -> None:
         """Look for broadcast sites upstream of `node` (the node whose hook is running).
@@ -313,7 +347,9 @@ class SampleLayout:
             )
         if group in self._broken:
             raise RuntimeError(f"{describe(record.module)}: {self._broken[group]}.")
-        return self._rows[group][0], self.total
+        if group in self._alone:
+            return None  # the only samples of its model
+        return self._rows[group][0], self._model_rows[group]
 
     def reached(self, record: Record) -> bool:
         """Whether the walk found `record` (always True before a walk)."""

@@ -79,24 +79,57 @@ def mlp():
     ],
     ids=repr,
 )
-def test_loss_not_extended(ext):
+def test_loss_not_extended_is_recognised_from_the_graph(ext):
+    """A plain nn.CrossEntropyLoss (or F.cross_entropy) gives the extended loss's numbers."""
     x, y = data()
-    model = extend(mlp())
-    loss = nn.CrossEntropyLoss()(model(x), y)
-    with pytest.raises(RuntimeError, match="extend"):
+    results = []
+    for extended in (True, False):
+        torch.manual_seed(0)
+        model = extend(mlp())
+        lossfunc = extend(nn.CrossEntropyLoss()) if extended else nn.CrossEntropyLoss()
+        loss = lossfunc(model(x), y)
+        torch.manual_seed(1)
         with backpack(ext):
             loss.backward()
+        values = []
+        for p in model.parameters():
+            value = getattr(p, ext.savefield)
+            if callable(value):
+                value = value(torch.ones(2, *p.shape, dtype=DT))
+            values.extend(value if isinstance(value, list) else [value])
+        results.append(values)
+    assert CTX.engines == []
+    for a, b in zip(*results):
+        close(a, b)
+
+
+@pytest.mark.parametrize(
+    "make_loss",
+    [
+        lambda out, y: nn.CrossEntropyLoss(label_smoothing=0.1)(out, y),
+        lambda out, y: (out - out.detach().mean()).abs().sum(),
+    ],
+    ids=["label-smoothing", "custom"],
+)
+def test_unknown_loss_says_how_to_switch(make_loss):
+    x, y = data()
+    model = extend(mlp())
+    with pytest.raises(RuntimeError, match="extend.*F.cross_entropy"):
+        with backpack(DiagGGNExact()):
+            make_loss(model(x), y).backward()
     assert CTX.engines == []
     recovers(mlp(), x, y)
 
 
-def test_loss_computed_functionally_is_not_extended():
+def test_loss_computed_functionally():
     x, y = data()
-    model = extend(mlp())
-    with pytest.raises(RuntimeError, match="extend"):
-        with backpack(DiagGGNExact()):
-            nn.functional.cross_entropy(model(x), y).backward()
-    recovers(mlp(), x, y)
+    model = mlp()
+    reference = Curvature(copy.deepcopy(model), x, nn.CrossEntropyLoss(), y, hessian=False)
+    extend(model)
+    with backpack(DiagGGNExact()):
+        nn.functional.cross_entropy(model(x), y).backward()
+    for name, p in model.named_parameters():
+        close(p.diag_ggn_exact, reference.diag(reference.ggn, name), name)
 
 
 @pytest.mark.parametrize(

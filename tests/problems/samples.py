@@ -205,7 +205,40 @@ def _flattened(reduction: str, loss_name: str, time_major: bool) -> Scenario:
     )
 
 
+def _functional(reduction: str) -> Scenario:
+    """nanoGPT's idiom: `F.cross_entropy` on flattened logits, plus a weighted `F.mse_loss`."""
+    n, t, c = 3, 4, 4
+
+    def loss(model, losses, data):
+        out = model(data["x"])
+        ce = F.cross_entropy(out.view(-1, c), data["y"].view(-1), reduction=reduction)
+        return ce + 0.5 * F.mse_loss(out, data["z"], reduction=reduction)
+
+    def terms(outs, losses, data):
+        (out,) = outs
+        ce = F.cross_entropy(out.reshape(-1, c), data["y"].reshape(-1), reduction="none")
+        mse = (out - data["z"]).square().sum(-1)
+        ce = ce.reshape(n, t).sum(1) * _factor(reduction, n * t)
+        return ce + 0.5 * mse.sum(1) * _factor(reduction, out.numel())
+
+    return Scenario(
+        f"functional-losses-{reduction}",
+        _token_mlp,
+        lambda: {
+            "x": torch.randn(n, t, 2, dtype=DTYPE),
+            "y": torch.randint(0, c, (n, t)),
+            "z": torch.randn(n, t, c, dtype=DTYPE),
+        },
+        lambda: {},
+        loss,
+        lambda model, data: (model(data["x"]),),
+        terms,
+    )
+
+
 SCENARIOS = [
+    _functional("mean"),
+    _functional("sum"),
     *[_multitask(r, w1, w2) for r in ("mean", "sum") for w1, w2 in ((1.0, 1.0), (0.3, 2.0))],
     _multitask("mean", 0.3, -2.0),
     *[_two_forwards(r, n1, n2) for r in ("mean", "sum") for n1, n2 in ((3, 4), (3, 3))],
