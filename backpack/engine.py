@@ -1025,7 +1025,7 @@ class Engine:
             factors = secondorder.joint_factors(record, ext, sign)
             if factors is None:
                 continue
-            kron = rule.kron_factors(record, factors, names)
+            kron = rule.kron_factors(record, factors, names, ext.kfac_approx)
             if kron is None:
                 raise NotImplementedError(
                     f"Extension saving to {ext.savefield} ({ext.__class__.__name__}) does not "

@@ -152,6 +152,7 @@ def _plan(engine: Engine, loss_record: Record) -> list[tuple]:
             )
         record, _, out_edge = nearest[0]
         name = record.module.__class__.__name__
+        _check_sample_axis(engine, record)
         out_shape = tuple(record.outputs[0].shape[1:])
         if not _same_edge(edge, out_edge):
             _check_dim(out_shape, f"output of {name}")
@@ -191,6 +192,19 @@ def _plan(engine: Engine, loss_record: Record) -> list[tuple]:
         edge, shape = in_edge, in_shape
     _check_chain_covers(loss_record, steps)
     return steps
+
+
+def _check_sample_axis(engine: Engine, record: Record) -> None:
+    """KFRA's dense matrices assume samples along axis 0 of every call in the chain."""
+    rule = find_rule(record.module)
+    axes = rule.output_batch_axes(record) if rule is not None else [0]
+    moved = record.module.__dict__.get("_backpack_batch_axis", 0)
+    if moved or any(axes) or id(record) in engine.layout.broadcast:
+        raise NotImplementedError(
+            f"KFRA needs the samples along axis 0 of every call in the chain; "
+            f"{describe(record.module)} has them elsewhere (a sequence-first layer, or an output "
+            "broadcast over the samples). Use KFLR or KFAC."
+        )
 
 
 def _check_chain_covers(loss_record: Record, steps: list[tuple]) -> None:

@@ -768,7 +768,7 @@ class MultiheadAttentionRule(ModuleRule):
                 result[name] += sq.sum(0) if per_sample else sq.sum((0, 1))
         return result
 
-    def kron_factors(self, record, factors, names):  # noqa: D102
+    def kron_factors(self, record, factors, names, approx="expand"):  # noqa: D102
         """`[G, A]` for Linear-like weights, `[G]` for their biases, else one dense block."""
         fy, fw, scale = self._factor_grads(record, factors)
         fwd = self._forward(record)
@@ -783,6 +783,8 @@ class MultiheadAttentionRule(ModuleRule):
             sums[key] = value if key not in sums else sums[key] + value
 
         def outer(t: Tensor) -> Tensor:
+            if approx == "reduce":  # sum the factor over positions before the outer product
+                t = t.sum(-2)
             flat = t.reshape(-1, t.shape[-1])
             return flat.T @ flat
 
@@ -835,7 +837,11 @@ class MultiheadAttentionRule(ModuleRule):
                 result[name] = [side]
                 continue
             x = {"out": fwd.o, "qkv": fwd.xq, "q": fwd.xq, "k": fwd.xk, "v": fwd.xv}[kind]
-            a = torch.einsum("nti,ntj->ij", x, x) / (x.shape[0] * x.shape[1])
+            if approx == "reduce":  # the batch mean of the position-averaged inputs
+                mean = x.mean(1)
+                a = mean.T @ mean / x.shape[0]
+            else:
+                a = torch.einsum("nti,ntj->ij", x, x) / (x.shape[0] * x.shape[1])
             result[name] = [side, a]
         return result
 

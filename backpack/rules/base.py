@@ -142,9 +142,18 @@ class ModuleRule:
         return result
 
     def kron_factors(
-        self, record: Record, factors: Sequence[Tensor | None], names: Names
+        self,
+        record: Record,
+        factors: Sequence[Tensor | None],
+        names: Names,
+        approx: str = "expand",
     ) -> dict[str, list[Tensor]] | None:
-        """Kronecker factors of each parameter's curvature block, or None if undefined."""
+        """Kronecker factors of each parameter's curvature block, or None if undefined.
+
+        Each list starts with the output-side factor, which sums over samples (and adds up
+        over losses); further factors are means over the call's samples. `approx` says how a
+        weight shared over positions is factored ("expand" or "reduce").
+        """
         return None
 
 

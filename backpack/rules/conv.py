@@ -313,14 +313,15 @@ class ConvRule(ModuleRule):
             result["bias"] = b2.sum(0) if per_sample else b2.sum((0, 1))
         return result
 
-    def kron_factors(self, record, factors, names):  # noqa: D102
+    def kron_factors(self, record, factors, names, approx="expand"):  # noqa: D102
         """`[G, A]` for the weight (`weight.transpose(0, 1)` for transposed convs), `[G]` bias.
 
         G = Σ_{v,n} (Σ_l s_vnl)(Σ_l s_vnl)ᵀ sums the factor over output positions first (so it
-        equals the bias's curvature block); A is the batch mean of the unfolded input's outer
-        products summed over positions. For grouped convolutions A averages the groups' input
-        factors, which share the weight's `[in_channels / groups * K]` axis. Both are single
-        matrix products over contiguous operands (per chunk of samples for A).
+        equals the bias's curvature block). With "expand" (the original's convention) A is the
+        batch mean of the unfolded input's outer products summed over positions; with "reduce"
+        the batch mean of ā āᵀ, ā the unfolded input averaged over positions. For grouped
+        convolutions A averages the groups' input factors, which share the weight's
+        `[in_channels / groups * K]` axis.
         """
         module = record.module
         x, f = _input_and_factor(record, factors)
@@ -334,7 +335,11 @@ class ConvRule(ModuleRule):
             g = s.T @ s
         result: dict[str, list[Tensor]] = {}
         if "weight" in names:
-            result["weight"] = [g, _input_kron_factor(module, x, grid)]
+            if approx == "reduce":
+                a = _reduced_input_kron_factor(module, x, grid)
+            else:
+                a = _input_kron_factor(module, x, grid)
+            result["weight"] = [g, a]
         if "bias" in names:
             result["bias"] = [g]
         return result
@@ -443,6 +448,23 @@ def _pair_grads(module: nn.Module, x: Tensor, f: Tensor) -> Iterator[tuple[slice
                 yield ns, vs, convnd.pair_weight_grads_fold(module, xs, fs)
             else:
                 yield ns, vs, convnd.pair_weight_grads_unfold(module, xs, fs, shared)
+
+
+def _reduced_input_kron_factor(module: nn.Module, x: Tensor, out_size: Sequence[int]) -> Tensor:
+    """Batch mean of ā āᵀ with ā the unfolded input averaged over positions (groups averaged)."""
+    n, groups = x.shape[0], module.groups
+    if convnd.is_transposed(module):
+        if groups != 1:
+            raise NotImplementedError(
+                f"Kronecker factors are not defined for grouped transposed convolutions "
+                f"({module}): the groups share no common input factor."
+            )
+        mean = _transposed_unfold(module, x, out_size).mean(-1)  # [N, K']
+        return mean.T @ mean / n
+    u = convnd.unfold_channels_first(module, x, out_size)  # [C_in K, N L]
+    mean = u.reshape(u.shape[0], n, -1).mean(-1)  # [C_in K, N]
+    mean = mean.reshape(groups, mean.shape[0] // groups, n)
+    return torch.einsum("gkn,gjn->kj", mean, mean) / (n * groups)
 
 
 def _input_kron_factor(module: nn.Module, x: Tensor, out_size: Sequence[int]) -> Tensor:

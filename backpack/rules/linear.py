@@ -242,10 +242,16 @@ class LinearRule(ModuleRule):
         g = gbar.reshape(t, out, t, out).diagonal(dim1=0, dim2=2).sum(-1)
         return _kron_result(x, (g + g.T) / 2, names)
 
-    def kron_factors(self, record, factors, names):  # noqa: D102
-        # Sequence inputs [N, T, in] follow the "expand" convention: positions act as samples.
+    def kron_factors(self, record, factors, names, approx="expand"):  # noqa: D102
+        # Sequence inputs [N, T, in]: "expand" lets positions act as samples (A averages over
+        # N·T inputs, G sums over positions); "reduce" averages the inputs over positions and
+        # sums the factor over positions before the outer products.
         x = _flat_input(record)
         f = self._flat_factor(record, factors)
+        if approx == "reduce" and x.shape[1] > 1:
+            s = f.sum(2)  # [V, N, out]
+            mean_x = x.mean(1, keepdim=True)  # [N, 1, in]
+            return _kron_result(mean_x, torch.einsum("vno,vnp->op", s, s), names)
         return _kron_result(x, torch.einsum("vnto,vntp->op", f, f), names)
 
 

@@ -262,7 +262,7 @@ class _PerSampleNormRule(ModuleRule):
             result[name] = sq.sum(0) if per_sample else sq.sum((0, 1))
         return result
 
-    def kron_factors(self, record, factors, names):  # noqa: D102
+    def kron_factors(self, record, factors, names, approx="expand"):  # noqa: D102
         """One dense factor per parameter: Σ_{v,n} (Jᵀ f)(Jᵀ f)ᵀ, `[numel, numel]`.
 
         A factor with one sample and a recorded batch of N > 1 is KFRA's batch-averaged

@@ -209,29 +209,51 @@ class HBP(SecondOrderBackpropExtension):
         curvature: "mc" (KFAC: sampled loss-Hessian factor), "exact" (KFLR) or "sum"
             (KFRA: batch-averaged dense backpropagation through the module chain).
         mc_samples: Number of MC samples for curvature "mc".
+        kfac_approx: How layers sharing their weight over positions (Linear on `[N, T, D]`,
+            convolutions) are factored: "expand" (positions act like samples; the original
+            BackPACK's convention for convolutions) or "reduce" (inputs averaged and output
+            factors summed over positions first). See the docs' "Transformers" page.
     """
 
     output = "kron"
 
-    def __init__(self, savefield: str = "hbp", curvature: str = "exact", mc_samples: int = 1):
+    def __init__(
+        self,
+        savefield: str = "hbp",
+        curvature: str = "exact",
+        mc_samples: int = 1,
+        kfac_approx: str = "expand",
+    ) -> None:
         if curvature not in ("mc", "exact", "sum"):
             raise ValueError(f"HBP curvature must be 'mc', 'exact' or 'sum', got {curvature!r}.")
+        if kfac_approx not in ("expand", "reduce"):
+            raise ValueError(
+                f"{self.__class__.__name__} needs kfac_approx 'expand' or 'reduce', "
+                f"got {kfac_approx!r}."
+            )
         self.factor = curvature
+        self.kfac_approx = kfac_approx
         super().__init__(savefield, mc_samples=mc_samples)
+
+    def __repr__(self) -> str:
+        args = [f"mc_samples={self.mc_samples}"] if self.factor == "mc" else []
+        if self.kfac_approx != "expand":
+            args.append(f"kfac_approx={self.kfac_approx!r}")
+        return f"{self.__class__.__name__}({', '.join(args)})"
 
 
 class KFAC(HBP):
     """Kronecker factors with a Monte-Carlo loss-Hessian factor, saved as `kfac`."""
 
-    def __init__(self, mc_samples: int = 1) -> None:
-        super().__init__("kfac", curvature="mc", mc_samples=mc_samples)
+    def __init__(self, mc_samples: int = 1, kfac_approx: str = "expand") -> None:
+        super().__init__("kfac", curvature="mc", mc_samples=mc_samples, kfac_approx=kfac_approx)
 
 
 class KFLR(HBP):
     """Kronecker factors with the exact loss-Hessian factor, saved as `kflr`."""
 
-    def __init__(self) -> None:
-        super().__init__("kflr", curvature="exact")
+    def __init__(self, kfac_approx: str = "expand") -> None:
+        super().__init__("kflr", curvature="exact", kfac_approx=kfac_approx)
 
 
 class KFRA(HBP):
