@@ -291,6 +291,25 @@ def _no_autocast() -> Iterator[None]:
         yield
 
 
+_WARNED_KRON: set[tuple[str, type]] = set()
+
+
+def _warn_no_kron(ext: BackpropExtension, module: nn.Module) -> None:
+    """A layer without Kronecker factors: its parameters get none, the others get theirs."""
+    key = (ext.savefield, type(module))
+    if key in _WARNED_KRON:
+        return
+    _WARNED_KRON.add(key)
+    warnings.warn(
+        f"{ext.__class__.__name__} has no Kronecker factors for {describe(module)} "
+        f"({module.__class__.__name__}); its parameters get no '{ext.savefield}' (every other "
+        "layer gets its factors). Kronecker factors exist for Linear, convolution, embedding, "
+        "normalisation and attention layers; use DiagGGN* or GGNMP for this one.",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
 def _zero_product(mat: Tensor) -> Tensor:
     """The curvature matrix product of a batch without samples."""
     return torch.zeros_like(mat)
@@ -1027,11 +1046,8 @@ class Engine:
                 continue
             kron = rule.kron_factors(record, factors, names, ext.kfac_approx)
             if kron is None:
-                raise NotImplementedError(
-                    f"Extension saving to {ext.savefield} ({ext.__class__.__name__}) does not "
-                    f"support module {describe(record.module)} ({record.module.__class__}): "
-                    "Kronecker factors are defined for Linear and convolution layers."
-                )
+                _warn_no_kron(ext, record.module)
+                return None
             if sign < 0:
                 kron = {k: [-v[0], *v[1:]] for k, v in kron.items()}
             if result is None:

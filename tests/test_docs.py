@@ -84,7 +84,7 @@ def test_table_covers_every_registry_entry(table):
 def test_table_cells_follow_the_rules(table):
     names = rows(table)
     assert names["torch.nn.Linear"] == ["✓", "✓", "✓", "✓"]
-    assert names["torch.nn.Embedding"][2] == "✗"  # no Kronecker factors
+    assert names["torch.nn.Embedding"][2] == "✓"  # a Linear layer on one-hot inputs
     assert names["torch.nn.Tanh"][3].startswith("✓")
     batchnorm = names["torch.nn.BatchNorm1d"]
     assert batchnorm[0] == "✓¹" and batchnorm[2] == "✗"

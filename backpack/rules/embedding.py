@@ -27,6 +27,9 @@ from torch import Tensor, nn
 from backpack.recording import Record
 from backpack.rules.base import GradOutputs, ModuleRule, Names, register_rule
 
+#: largest vocabulary for which the Kronecker input factor (a dense `[V, V]` matrix) is formed
+MAX_KRON_VOCABULARY = 8192
+
 
 def _rows(record: Record, grad_outputs: GradOutputs) -> tuple[Tensor, Tensor]:
     """Return indices `[N, T]` (int64) and effective output gradients `[N, T, D]`.
@@ -135,3 +138,44 @@ class EmbeddingRule(ModuleRule):
         result = g.new_zeros(record.module.num_embeddings, g.shape[-1])
         result.index_add_(0, idx.flatten(), g.reshape(-1, g.shape[-1]))
         return {"weight": result}
+
+    def kron_factors(self, record, factors, names, approx="expand"):  # noqa: D102
+        """`[G, A]` for `weight.T` (`[D, V]`): an embedding is a Linear layer on one-hot inputs.
+
+        The one-hot input of position t, scaled as the gradient is (0 at `padding_idx`, 1/count with
+        `scale_grad_by_freq`), gives A; the factor at the output gives G, with positions treated
+        as in `LinearRule` ("expand": as samples; "reduce": averaged / summed first). None for
+        vocabularies above `MAX_KRON_VOCABULARY` (A would be a dense `[V, V]` matrix).
+        """
+        module = record.module
+        vocab = module.num_embeddings
+        if "weight" not in names or vocab > MAX_KRON_VOCABULARY:
+            return None
+        idx = record.args[0]
+        n = idx.shape[0]
+        idx = idx.reshape(n, -1).long()
+        ones = torch.ones(*idx.shape, 1, dtype=record.outputs[0].dtype, device=idx.device)
+        _, weights = _rows(record, (ones,))
+        weights = weights.squeeze(-1)  # [N, T]
+        t = idx.shape[1]
+        f = factors[0]
+        if f is None:
+            d = module.embedding_dim
+            g = weights.new_zeros(d, d)
+        else:
+            f = f.reshape(f.shape[0], n, t, f.shape[-1])
+            if approx == "reduce":
+                s = f.sum(2)
+                g = torch.einsum("vnd,vne->de", s, s)
+            else:
+                g = torch.einsum("vntd,vnte->de", f, f)
+        if approx == "reduce":
+            mean = weights.new_zeros(n, vocab)
+            mean.scatter_add_(1, idx, weights / t)
+            a = mean.T @ mean / n
+        else:
+            counts = weights.new_zeros(vocab)
+            counts.index_add_(0, idx.flatten(), weights.square().flatten())
+            a = torch.diag(counts / (n * t))
+        return {"weight": [g, a]}
+

@@ -533,12 +533,18 @@ def test_kflr_kfac_match_definition(name):
 
 
 def test_kflr_through_lstm_is_unsupported_clearly():
+    import backpack.engine as engine_module
+
     model, x, lossfunc, y = build("functional-zoo")
     gm = convert(model)
     lossfunc = extend(lossfunc)
-    with pytest.raises(NotImplementedError, match="LSTM"):
+    engine_module._WARNED_KRON.clear()
+    with pytest.warns(UserWarning, match="no Kronecker factors for .*LSTM"):
         with backpack(KFLR()):
             lossfunc(gm(x), y).backward()
+    for module in gm.modules():
+        for p in module.parameters(recurse=False):
+            assert hasattr(p, "kflr") == (not isinstance(module, nn.LSTM))
 
 
 def test_inplace_reads_after_conversion_see_the_result():

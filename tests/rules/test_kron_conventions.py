@@ -105,3 +105,29 @@ def test_invalid_convention_is_refused():
         KFAC(kfac_approx="sum")
     assert repr(KFLR(kfac_approx="reduce")) == "KFLR(kfac_approx='reduce')"
     assert repr(KFAC()) == "KFAC(mc_samples=1)"
+
+
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
+@pytest.mark.parametrize("padding_idx", [None, 2])
+def test_embedding_factors_are_those_of_a_linear_layer_on_one_hot_inputs(approx, padding_idx):
+    torch.manual_seed(0)
+    vocab, dim = 6, 4
+    emb = nn.Embedding(vocab, dim, padding_idx=padding_idx).to(DT)
+    head = nn.Linear(dim, 3).to(DT)
+    lin = nn.Linear(vocab, dim, bias=False).to(DT)
+    with torch.no_grad():
+        lin.weight.copy_(emb.weight.T)
+    idx, y = torch.randint(0, vocab, (5, 3)), torch.randint(0, 3, (5, 3))
+    idx[0, 0] = 2
+    one_hot = F.one_hot(idx, vocab).to(DT)
+    if padding_idx is not None:
+        one_hot[idx == padding_idx] = 0
+    results = []
+    for first, inputs in ((emb, idx), (lin, one_hot)):
+        model = extend(nn.Sequential(first, nn.Tanh(), head))
+        lossfunc = extend(nn.CrossEntropyLoss())
+        with backpack(KFLR(kfac_approx=approx)):
+            lossfunc(model(inputs).transpose(1, 2), y).backward()
+        results.append(first.weight.kflr)
+    for got, expected in zip(*results):
+        close(got, expected)
