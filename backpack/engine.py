@@ -30,8 +30,15 @@ from backpack.extensions.backprop_extension import (
 )
 from backpack.extensions.firstorder.base import FirstOrderBackpropExtension
 from backpack.extensions.secondorder import SecondOrderBackpropExtension
-from backpack.functional_losses import find_functional_losses
-from backpack.recording import Record, describe, get_param, promote_half, trainable_params
+from backpack.functional_calls import find_functional_calls
+from backpack.recording import (
+    Record,
+    describe,
+    get_param,
+    promote_half,
+    register_call,
+    trainable_params,
+)
 from backpack.rules import find_rule
 from backpack.rules.activations import find_activation_rule
 from backpack.rules.base import ModuleRule
@@ -538,6 +545,8 @@ class Engine:
         self.passes = 0
         #: losses called as functions in the running `backward()`: (record, autograd node)
         self._functional: list[tuple[Record, Any]] = []
+        #: records of functional linear calls on tied weights in the running `backward()`
+        self._functional_linears: list[Record] = []
         self._task_id: int | None = None
         self.reset()
 
@@ -613,7 +622,7 @@ class Engine:
 
         Returns the pre-hooks installed on their nodes (the caller removes them afterwards).
         """
-        self._functional = find_functional_losses(roots)
+        self._functional, linears = find_functional_calls(roots)
         handles = []
         for record, node in self._functional:
 
@@ -621,11 +630,17 @@ class Engine:
                 self.on_functional_loss(record, grads)
 
             handles.append(node.register_prehook(hook))
+        # functional linear calls on tied weights: kept alive until the backward is over
+        self._functional_linears = [record for record, _ in linears]
+        handles.extend(register_call(record, node) for record, node in linears)
         return handles
 
     def end_backward(self) -> None:
         """After a `backward()` returned (or raised)."""
         self._functional = []
+        for record in self._functional_linears:
+            record.free()
+        self._functional_linears = []
 
     def on_functional_loss(self, record: Record, grads: tuple) -> None:
         """Autograd reached a loss called as a function (`F.cross_entropy`, ...)."""
@@ -1117,7 +1132,12 @@ class Engine:
         calls: list[tuple[Record, ModuleRule, tuple[int, int] | None]],
         cross: bool,
     ) -> Any:
-        label = f"parameter {name} of {describe(calls[0][0].module)}"
+        # name the parameter by its module, not by a functional call's stand-in
+        owner = next(
+            (c[0].module for c in calls if type(c[0].module).__name__ != "FunctionalLinear"),
+            calls[0][0].module,
+        )
+        label = f"parameter {name} of {describe(owner)}"
         if ext.output == "mp":
             return self._shared_product(ext, name, calls)
         if ext.output == "kron":

@@ -593,6 +593,23 @@ def _allow_repeated_compiled_backward() -> None:
         config.donated_buffer = False
 
 
+def register_call(record: Record, node: Any, output_nr: int = 0) -> Any:
+    """Make a record built during a backward (a functional call) look like a recorded call.
+
+    Its module becomes an owner of its parameters, the node producing its output carries it
+    (graph walks find it there), and a pre-hook hands the engine the gradient at that output.
+    Returns the hook's handle (remove it when the backward is over).
+    """
+    _register_owners(record.module, record.module._parameters)
+    _remember(record.module, record)
+    node.metadata.setdefault(_META_KEY, []).append((record, 0, output_nr))
+
+    def _hook(grads: tuple, record: Record = record) -> None:
+        _dispatch(record, (grads[output_nr],))
+
+    return node.register_prehook(_hook)
+
+
 def memory_cleanup(module: nn.Module) -> None:
     """Free what was recorded on `module` for the next backward (safe if nothing is recorded)."""
     for record in _records(module):
