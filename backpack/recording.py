@@ -37,6 +37,8 @@ _ORDER = itertools.count()
 LOSS_CLASSES: set[type] = {nn.modules.loss._Loss}
 #: records of loss calls whose graphs may still exist
 _LOSS_RECORDS: weakref.WeakSet[Record] = weakref.WeakSet()
+#: records of parametrized calls whose output may hold no sample axis (see `sample_free`)
+_SAMPLE_FREE: weakref.WeakSet[Record] = weakref.WeakSet()
 
 
 def is_loss_module(module: nn.Module) -> bool:
@@ -73,6 +75,7 @@ class Record:
         "order",
         "recomputed",
         "origin",
+        "_half_checked",
         "__weakref__",
     )
 
@@ -112,6 +115,7 @@ class Record:
         self.recomputed = torch._C._current_graph_task_id() != -1
         #: for a view of another record (rules see a reshaped call): that record
         self.origin: Record | None = None
+        self._half_checked = False
 
     @property
     def input0(self) -> Tensor:
@@ -159,6 +163,9 @@ class Record:
         Rules then compute and accumulate in float32. Whether an input was modified in place
         is decided first (the copies have versions of their own).
         """
+        if self._half_checked:
+            return False
+        self._half_checked = True
         if not any(_is_half(t) for t in (*self.args, *self.outputs)):
             return False
         stale = self.modified()
@@ -240,6 +247,28 @@ def _remember(module: nn.Module, record: Record) -> None:
         refs.append(weakref.ref(record))
         if is_loss_module(module) and not record.disabled:
             _LOSS_RECORDS.add(record)
+        elif not record.disabled and module._parameters and sample_free(record.args):
+            _SAMPLE_FREE.add(record)
+
+
+def sample_free(args: tuple) -> bool:
+    """Whether a call on `args` may produce an output without a sample axis.
+
+    Such calls take no input that depends on the parameters, and index tensors (a position
+    embedding of `torch.arange(T)`) or inputs with a leading axis of size 1 (positional
+    features `[1, T, D]`). Calls on float data batches, the usual first layers, do not count.
+    """
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    if not tensors or any(t.requires_grad for t in tensors):
+        return False
+    first = tensors[0]
+    return not first.dtype.is_floating_point or first.dim() == 0 or first.shape[0] == 1
+
+
+def sample_free_records() -> list[Record]:
+    """Live records of calls that may produce outputs without a sample axis."""
+    with _LOCK:
+        return [r for r in _SAMPLE_FREE if not r.freed]
 
 
 def live_loss_records() -> list[Record]:
@@ -271,7 +300,8 @@ OWNS_CHILD_PARAMETERS: set[type] = set()
 
 
 def _owned_parameters(module: nn.Module) -> dict[str, Any]:
-    if type(module) in OWNS_CHILD_PARAMETERS:
+    # subclasses too (e.g. a MultiheadAttention subclass still uses out_proj functionally)
+    if OWNS_CHILD_PARAMETERS and isinstance(module, tuple(OWNS_CHILD_PARAMETERS)):
         return dict(module.named_parameters())
     return module._parameters
 

@@ -32,6 +32,8 @@ from backpack.recording import (
     live_records,
     param_owners,
     records_at,
+    sample_free,
+    sample_free_records,
     trainable_params,
     walk_nodes,
 )
@@ -192,6 +194,8 @@ class SampleLayout:
         self._broken: dict[int, str] = {}
         #: id(record) -> where its sample-free output is broadcast over the samples
         self.broadcast: dict[int, BroadcastSite] = {}
+        #: whether calls of this pass may be broadcast over the samples (then they are searched)
+        self.candidates = False
         #: nodes explored for broadcast sites, and the consumers of each node seen
         self._visited: dict[int, Any] = {}
         self._parents: dict[int, list[tuple[Any, int]]] = {}
@@ -205,7 +209,10 @@ class SampleLayout:
         """
         losses = [r for r in live_loss_records() if loss_in_pass(r)]
         layout = cls(losses + list(functional or ()))
-        if layout.losses:
+        # calls that may be broadcast over the samples need the graph's consumers, several
+        # losses need to know which calls they reach; otherwise nothing is walked up front
+        layout.candidates = bool(sample_free_records())
+        if layout.losses and (len(layout.losses) > 1 or layout.candidates):
             layout.walk(batch_size)
         return layout
 
@@ -306,7 +313,7 @@ class SampleLayout:
         Without an extended loss nothing was walked at the start of the pass; the first hook
         runs at a node downstream of every call it can reach, before their consumers ran.
         """
-        if node is None or id(node) in self._visited:
+        if node is None or not self.candidates or id(node) in self._visited:
             return
         edges = [GradientEdge(node, 0)]
         found = reachable_records(edges, self._parents, self._visited)
@@ -315,6 +322,8 @@ class SampleLayout:
     def _find_sites(self, found: dict[int, tuple[Record, Any]]) -> None:
         for key, (record, node) in found.items():
             if key in self.broadcast or record.freed or not trainable_params(record.module):
+                continue
+            if not sample_free(record.args):
                 continue
             site = _broadcast_site(record, node, self._parents)
             if site is not None:
