@@ -41,9 +41,17 @@ _LOSS_RECORDS: weakref.WeakSet[Record] = weakref.WeakSet()
 _SAMPLE_FREE: weakref.WeakSet[Record] = weakref.WeakSet()
 
 
+#: class -> is it a loss class (cleared when a loss class is added)
+_IS_LOSS_CLASS: dict[type, bool] = {}
+
+
 def is_loss_module(module: nn.Module) -> bool:
     """Whether calls of `module` are loss calls (they define the samples of a backward)."""
-    return isinstance(module, tuple(LOSS_CLASSES))
+    cls = type(module)
+    known = _IS_LOSS_CLASS.get(cls)
+    if known is None or len(_IS_LOSS_CLASS) > 4096:
+        known = _IS_LOSS_CLASS[cls] = issubclass(cls, tuple(LOSS_CLASSES))
+    return known
 
 
 def describe(module: nn.Module) -> str:

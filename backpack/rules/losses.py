@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from backpack.recording import Record
+from backpack.recording import _IS_LOSS_CLASS, LOSS_CLASSES, Record
 
 _LOSS_RULES: dict[type[nn.Module], LossRule] = {}
 
@@ -60,7 +60,9 @@ def register_loss_rule(*module_classes: type[nn.Module]):  # noqa: ANN201
     def decorator(rule_cls: type[LossRule]) -> type[LossRule]:
         for cls in module_classes:
             _LOSS_RULES[cls] = rule_cls()
+            LOSS_CLASSES.add(cls)  # calls of these define the samples of a backward
         _IS_LOSS.clear()
+        _IS_LOSS_CLASS.clear()
         return rule_cls
 
     return decorator
