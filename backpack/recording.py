@@ -101,7 +101,7 @@ class Record:
         self.kwargs = kwargs
         self.outputs = outputs
         self.output_structure = output_structure
-        self.versions = tuple(a._version if isinstance(a, Tensor) else None for a in args)
+        self.versions = tuple([a._version if isinstance(a, Tensor) else None for a in args])
         self.training = module.training
         #: for each tensor of the output structure (depth first): does it require grad?
         self.out_requires_grad: tuple[bool, ...] = ()
@@ -266,10 +266,15 @@ def sample_free(args: tuple) -> bool:
     embedding of `torch.arange(T)`) or inputs with a leading axis of size 1 (positional
     features `[1, T, D]`). Calls on float data batches, the usual first layers, do not count.
     """
-    tensors = [a for a in args if isinstance(a, Tensor)]
-    if not tensors or any(t.requires_grad for t in tensors):
+    first = None
+    for a in args:
+        if isinstance(a, Tensor):
+            if a.requires_grad:
+                return False
+            if first is None:
+                first = a
+    if first is None:
         return False
-    first = tensors[0]
     return not first.dtype.is_floating_point or first.dim() == 0 or first.shape[0] == 1
 
 
@@ -370,6 +375,16 @@ def tensors_in(obj: Any) -> Iterator[Tensor]:
             yield from tensors_in(o)
 
 
+def _keep(a: Any, out_tensors: list[Tensor]) -> Any:
+    """How a record keeps an input: as is, detached if it is also an output (in place)."""
+    if isinstance(a, Tensor):
+        for o in out_tensors:
+            if a is o:
+                return a.detach()
+        return a
+    return _detach(a)
+
+
 @torch.compiler.disable
 def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     """Record the call for the next backward (only when it can be differentiated)."""
@@ -399,15 +414,10 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
         # with backward(create_graph=True) the quantities stay differentiable w.r.t. them. An
         # input that is also an output (in place) is detached: the node holding this record
         # would otherwise hold itself.
-        def keep(a: Any) -> Any:
-            if isinstance(a, Tensor) and any(a is o for o in out_tensors):
-                return a.detach()
-            return a if isinstance(a, Tensor) else _detach(a)
-
         record = Record(
             module,
-            tuple(keep(a) for a in args),
-            {k: keep(v) for k, v in kwargs.items()} if kwargs else {},
+            tuple([_keep(a, out_tensors) for a in args]),
+            {k: _keep(v, out_tensors) for k, v in kwargs.items()} if kwargs else {},
             outs,
             structure,
         )
