@@ -1,0 +1,117 @@
+"""torch.distributed: gloo processes on the CPU against one process on the concatenated batch.
+
+Each test spawns its processes once and runs a whole scenario of checks in them
+(tests/distributed_checks.py); every check is reported by name and rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import distributed_checks
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from backpack import backpack
+from backpack.extensions import BatchGrad
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.cpu_only
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(scenario: str, world: int, tmp_path: Path, limit: float = 90.0) -> dict:
+    """Run a scenario on `world` gloo processes; {check: {rank: failure or None}}."""
+    context = mp.start_processes(
+        distributed_checks.worker,
+        args=(world, free_port(), scenario, str(tmp_path)),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + limit
+    try:
+        while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
+            if time.monotonic() > deadline:
+                break
+    except Exception as err:  # a worker died: report what the others wrote
+        print(err)
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+    results: dict[str, dict[int, str | None]] = {}
+    for rank in range(world):
+        path = tmp_path / f"rank{rank}.json"
+        found = json.loads(path.read_text()) if path.exists() else {}
+        for name, _ in distributed_checks.SCENARIOS[scenario]:
+            results.setdefault(name, {})[rank] = found.get(name, "no result (hang or crash)")
+    return results
+
+
+def assert_passed(results: dict) -> None:
+    failures = [
+        f"--- {name} on rank {rank}:\n{error}"
+        for name, per_rank in results.items()
+        for rank, error in per_rank.items()
+        if error is not None
+    ]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_global_quantities(world, tmp_path):
+    """Every quantity, both reductions, uneven shards, no_sync, errors agreed between ranks."""
+    assert_passed(spawn("main", world, tmp_path))
+
+
+def test_errors_do_not_hang(tmp_path):
+    assert_passed(spawn("errors", 2, tmp_path))
+
+
+def test_torchrun_example(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}",
+            str(ROOT / "examples" / "example_distributed.py"),
+            "--steps",
+            "2",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "global" in result.stdout
+
+
+def test_without_torch_distributed():
+    """Not initialised: sync=None does nothing, sync=True says what is missing."""
+    assert not torch.distributed.is_initialized()
+    with backpack(BatchGrad()) as ctx:
+        assert ctx._engine.sync is None
+    with pytest.raises(RuntimeError, match="init_process_group"), backpack(BatchGrad(), sync=True):
+        pass
+    with pytest.raises(TypeError, match="DistributedDataParallel"), backpack(sync="yes"):
+        pass
