@@ -133,7 +133,28 @@ def make_sync(sync: Any, extensions: Sequence[BackpropExtension]) -> PassSync | 
                 "factors under torch.distributed), or backpack(..., sync=False) for this rank's "
                 "local factors."
             )
+    if _uses_fully_shard():
+        raise NotImplementedError(
+            "backpack cannot make quantities global for models sharded with FSDP "
+            "(torch.distributed.fsdp.fully_shard): their parameters are gathered only during "
+            "forward and backward, so backpack's quantities would land on FSDP's temporary "
+            "unsharded parameters instead of model.parameters(). Every backpack quantity needs "
+            "the parameters replicated: wrap the model in DistributedDataParallel instead."
+        )
     return PassSync(extensions, follow)
+
+
+def _uses_fully_shard() -> bool:
+    """Whether this process has a live module sharded by FSDP2 (`fully_shard`)."""
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+    except ImportError:  # pragma: no cover - older torch
+        return False
+    for ref in list(_module_state_mapping.values()):
+        state = ref() if callable(ref) else ref
+        if state is not None and "FSDP" in type(state).__name__:
+            return True
+    return False
 
 
 # --- backpack's process group ------------------------------------------------------------------

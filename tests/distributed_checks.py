@@ -423,6 +423,23 @@ def kfra_refused(rank: int, world: int) -> None:
         ctx._engine.passes = 1  # nothing ran: no "nothing extended" warning
 
 
+def fsdp_refused(rank: int, world: int) -> None:
+    """FSDP2 (fully_shard): a clear error when the context is entered."""
+    from torch.distributed.fsdp import fully_shard
+
+    model, _ = pair(mlp)
+    fully_shard(model)
+    try:
+        with backpack(SumGradSquared()):
+            pass
+    except NotImplementedError as err:
+        assert "DistributedDataParallel" in str(err), err
+    else:
+        raise AssertionError("fully_shard was not refused")
+    with backpack(SumGradSquared(), sync=False) as ctx:
+        ctx._engine.passes = 1  # nothing ran: no "nothing extended" warning
+
+
 MAIN: list[tuple[str, Callable]] = [
     *[
         (f"exact-{kind}-{red}", exact_case(kind, red))
@@ -443,6 +460,7 @@ MAIN: list[tuple[str, Callable]] = [
     ("unextended-loss", unextended_loss),
     ("different-quantities", different_quantities),
     ("kfra-refused", kfra_refused),
+    ("fsdp-refused", fsdp_refused),  # last: the sharded model stays registered with FSDP
 ]
 
 
