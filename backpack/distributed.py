@@ -187,7 +187,9 @@ def _header_device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def _communicate(what: str, tensors: list[Tensor], group: Any) -> None:
+def _communicate(
+    what: str, tensors: list[Tensor], group: Any, missing: str = "reach the end of its backward"
+) -> None:
     """All-reduce (sum) `tensors` in place on `group`; a failure becomes a clear error."""
     if _BROKEN:
         raise RuntimeError(
@@ -202,10 +204,10 @@ def _communicate(what: str, tensors: list[Tensor], group: Any) -> None:
         _BROKEN[:] = [f"{type(err).__name__}: {err}".splitlines()[0][:200]]
         raise RuntimeError(
             f"backpack could not {what} across {dist.get_world_size(group)} ranks within "
-            f"{TIMEOUT_S:g} s (backpack.distributed.TIMEOUT_S): a rank did not reach the end of "
-            "its backward pass inside backpack(...) (it raised outside backpack, stopped, or "
-            "runs different code). Every rank must run the same backward passes inside "
-            "backpack(...)."
+            f"{TIMEOUT_S:g} s (backpack.distributed.TIMEOUT_S): a rank did not {missing} "
+            "(it raised outside backpack, stopped, or runs different code). Every rank must run "
+            "the same backward passes inside backpack(...) and call global matrix products "
+            "together."
         ) from err
 
 
@@ -271,7 +273,9 @@ class GlobalProduct:
         """The product with the global batch's curvature (collective: every rank calls it)."""
         with torch.no_grad():
             result = self.local(mat).detach().clone()
-            _communicate("multiply by the global curvature", [result], self._group)
+            _communicate(
+                "multiply by the global curvature", [result], self._group, "call this product"
+            )
         return result
 
 
@@ -439,7 +443,7 @@ class PassSync:
         mine = torch.zeros(self.world, 3, dtype=torch.float64)
         mine[self.rank] = torch.tensor([float(error), float(signature), nu], dtype=torch.float64)
         header = mine.to(_header_device(self.group))
-        _communicate("synchronise the backward pass", [header], self.group)
+        _communicate("synchronise the backward pass", [header], self.group)  # error agreement
         return header.tolist()
 
     def _collect(self) -> dict[str, Any]:

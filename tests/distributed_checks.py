@@ -293,6 +293,30 @@ def equal_batches_ddp_grad(rank: int, world: int) -> None:
     compare(model, ref, start, stop, ["grad_batch", "sum_grad_squared", "variance", "kflr"])
 
 
+def weighted_mean(state: dict, bucket):
+    """DDP communication hook (docs/distributed.md): each rank's gradient weighs N_r / N."""
+    buffer = bucket.buffer().mul_(state["weight"])
+    return dist.all_reduce(buffer, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def uneven_ddp_comm_hook(rank: int, world: int) -> None:
+    """Uneven shards: with the hook of the docs, DDP's .grad is the global batch's gradient."""
+    model, ref = pair(mlp)
+    sizes = SIZES[world]
+    x, y = batch("ce", sum(sizes), (4,), 3)
+    (xr, yr), start, stop = shard([x, y], sizes, rank)
+    lf = extend(nn.CrossEntropyLoss())
+    net = nn.parallel.DistributedDataParallel(model)
+    net.register_comm_hook({"weight": len(yr) / len(y)}, weighted_mean)
+    with backpack(BatchGrad(), Variance()):
+        lf(net(xr), yr).backward()
+    with backpack(BatchGrad(), Variance(), sync=False):
+        lf(ref(x), y).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        close(p.grad, q.grad, f"{name}: DDP .grad with the weighting hook")
+    compare(model, ref, start, stop, ["grad_batch", "variance"])
+
+
 def two_losses(rank: int, world: int) -> None:
     """CE + MSE on one output: equal local-to-global ratios on every rank, so exact."""
     model, ref = pair(mlp)
@@ -453,6 +477,7 @@ MAIN: list[tuple[str, Callable]] = [
     ("mc-mse-sum", mc_case("mse", "sum")),
     ("sync-false", sync_false),
     ("equal-batches-ddp-grad", equal_batches_ddp_grad),
+    ("uneven-ddp-comm-hook", uneven_ddp_comm_hook),
     ("two-losses", two_losses),
     ("two-losses-refused", two_losses_refused),
     ("no-sync", no_sync),
