@@ -264,6 +264,9 @@ class GlobalProduct:
         self.scale = scale
         self._group = group
 
+    def __deepcopy__(self, memo: dict) -> GlobalProduct:
+        return self  # like a function: copies of a model share it (it holds a process group)
+
     def local(self, mat: Tensor) -> Tensor:
         """This rank's term of the product (no communication)."""
         result = self._product(mat)

@@ -406,12 +406,25 @@ def collectives(rank: int, world: int) -> None:
         dist.all_reduce = original
 
 
+def functional_loss(rank: int, world: int) -> None:
+    """A loss called as a function (recognised by backpack) scales like an extended one."""
+    model, ref = pair(mlp)
+    x, y = batch("ce_ignore", sum(SIZES[world]), (4,), 3)
+    (xr, yr), start, stop = shard([x, y], SIZES[world], rank)
+    exts = [BatchGrad, SumGradSquared, Variance, DiagGGNExact, KFLR, SqrtGGNExact]
+    with backpack(*[e() for e in exts]):
+        nn.functional.cross_entropy(model(xr), yr).backward()
+    with backpack(*[e() for e in exts], sync=False):
+        nn.functional.cross_entropy(ref(x), y).backward()
+    compare(model, ref, start, stop)
+
+
 def unextended_loss(rank: int, world: int) -> None:
     model, _ = pair(mlp)
-    x, y = batch("ce", 4, (4,), 3)
+    x, t = batch("mse", 4, (4,), 3)
     try:
         with backpack(BatchGrad()):
-            nn.functional.cross_entropy(model(x), y).backward()
+            nn.functional.l1_loss(model(x), t).backward()  # a loss backpack does not know
     except RuntimeError as err:
         assert "extend" in str(err), err
     else:
@@ -482,6 +495,7 @@ MAIN: list[tuple[str, Callable]] = [
     ("two-losses-refused", two_losses_refused),
     ("no-sync", no_sync),
     ("collectives", collectives),
+    ("functional-loss", functional_loss),
     ("unextended-loss", unextended_loss),
     ("different-quantities", different_quantities),
     ("kfra-refused", kfra_refused),
