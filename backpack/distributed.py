@@ -171,6 +171,7 @@ def _group() -> Any:
     group = dist.new_group(timeout=timedelta(seconds=TIMEOUT_S))
     _GROUP[:] = [(world, TIMEOUT_S, group)]
     _BROKEN.clear()
+    _LAYOUTS.clear()
     return group
 
 
@@ -178,6 +179,7 @@ def _forget_group() -> None:
     """Drop backpack's process group (the next synchronising context creates a new one)."""
     _GROUP.clear()
     _BROKEN.clear()
+    _LAYOUTS.clear()
 
 
 def _header_device(group: Any) -> torch.device:
@@ -301,6 +303,8 @@ class _Bucket:
         self.parts: list[tuple[Tensor, float]] = []
         self.numel = 0
         self.flat: Tensor | None = None
+        #: where the parts start in `flat` (after the header and scalars in the first bucket)
+        self.start = 0
 
     def add(self, tensor: Tensor, scale: float) -> tuple[int, int]:
         start = self.numel
@@ -308,9 +312,14 @@ class _Bucket:
         self.numel += tensor.numel()
         return start, self.numel
 
-    def fill(self, scalars: list[float]) -> Tensor:
-        flat = torch.empty(self.numel + len(scalars), dtype=self.dtype, device=self.device)
-        offset = 0
+    def fill(self, head: int, scalars: list[float]) -> Tensor:
+        """The flat buffer: `head` zeros (the header's place), the scalars, then the parts."""
+        self.start = head + len(scalars)
+        flat = torch.empty(self.start + self.numel, dtype=self.dtype, device=self.device)
+        flat[:head].zero_()
+        if scalars:
+            flat[head : self.start].copy_(torch.tensor(scalars, dtype=torch.float64))
+        offset = self.start
         for tensor, scale in self.parts:
             n = tensor.numel()
             target = flat[offset : offset + n].view(tensor.shape)
@@ -321,18 +330,62 @@ class _Bucket:
                 if scale != 1.0:
                     target.mul_(scale)
             offset += n
-        if scalars:
-            flat[offset:].copy_(torch.tensor(scalars, dtype=torch.float64))
         self.flat = flat
         return flat
 
-    def view(self, span: tuple[int, int], like: Tensor) -> Tensor:
-        result = self.flat[span[0] : span[1]].view(like.shape)
-        return result if like.dtype == self.dtype else result.to(like.dtype)
+    def view(self, span: tuple[int, int], shape: torch.Size) -> Tensor:
+        return self.flat[self.start + span[0] : self.start + span[1]].view(shape)
 
 
 def _reduce_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+class _Plan:
+    """What one rank contributes to a pass's all-reduce, and how it turns into quantities."""
+
+    def __init__(self) -> None:
+        self.buckets: dict[tuple[str, str, int], _Bucket] = {}
+        self.scalars: list[float] = []
+        #: (param, field, kind, value, bucket, spans, power) per quantity
+        self.jobs: list[tuple[Any, ...]] = []
+        self.losses: list[float | None] = []
+        self.signature = 0
+        #: this rank's normaliser of the first loss (1 for reduction="sum")
+        self.nu = 1.0
+        #: position of the per-rank loss normalisers among the scalars (several losses)
+        self.check: int | None = None
+
+    def bucket_of(self, t: Tensor) -> _Bucket:
+        dtype = _reduce_dtype(t.dtype)
+        key = (t.device.type, str(dtype), t.device.index or 0)
+        if key not in self.buckets:
+            self.buckets[key] = _Bucket(t.device, dtype)
+        return self.buckets[key]
+
+    def scalar(self, value: float) -> int:
+        self.scalars.append(float(value))
+        return len(self.scalars) - 1
+
+    def order(self) -> list[_Bucket]:
+        return [self.buckets[k] for k in sorted(self.buckets)]
+
+    def shape(self, head: int) -> tuple[tuple[torch.device, torch.dtype, int], ...]:
+        """The buffers of the first all-reduce (header and scalars in the first one)."""
+        sizes = [(b.device, b.dtype, b.numel) for b in self.order()]
+        if sizes:
+            device, dtype, numel = sizes[0]
+            sizes[0] = (device, dtype, numel + head + len(self.scalars))
+        return tuple(sizes)
+
+    def fill(self, head: int) -> list[Tensor]:
+        return [b.fill(head, self.scalars if i == 0 else []) for i, b in enumerate(self.order())]
+
+
+#: (group, quantities) -> buffers of the last all-reduce every rank agreed on: the next pass
+#: sends its header and data in buffers of that shape at once (one collective) when it matches
+_LAYOUTS: dict[tuple[int, tuple[str, ...]], tuple[tuple[torch.device, torch.dtype, int], ...]]
+_LAYOUTS = {}
 
 
 class PassSync:
@@ -347,6 +400,8 @@ class PassSync:
         self.group = _group()
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
+        #: which agreed buffer shape the passes of this context reuse (see `_LAYOUTS`)
+        self.key = (id(self.group), tuple(self.fields))
         self._pass: int | None = None
         self._start(None)
 
@@ -400,21 +455,32 @@ class PassSync:
         if not self.active or self.exchanged or _BROKEN:
             return
         try:
-            self._exchange(True, 0, 0.0)
+            self._first_round(None, [1.0, 0.0, 0.0, 1.0])
         except Exception:  # noqa: BLE001 - the pass's own error is the one to raise
             pass
 
     def finish_pass(self, engine: Engine) -> None:
-        """All-reduce the pass's quantities and store their global values."""
+        """All-reduce the pass's quantities and store their global values.
+
+        The first all-reduce carries every rank's header (error flag, signature, loss
+        normaliser, whether its data is in this message) in buffers of the shape the ranks
+        agreed on in the previous pass with the same quantities; when every rank's data fits
+        that shape (the usual case), it is the only one. Otherwise the data follows in a second.
+        """
         self._begin(engine)
         if not self.active or self.exchanged:
             return
         try:
-            plan = self._collect()
+            plan = self._plan()
         except BaseException:
             self.abort_pass(engine)
             raise
-        rows = self._exchange(False, plan["signature"], plan["nu"])
+        head = 4 * self.world
+        cached = _LAYOUTS.get(self.key)
+        carries = bool(cached) and cached == plan.shape(head)
+        flats, rows = self._first_round(
+            plan if carries else None, [0.0, plan.signature, plan.nu, 0.0 if carries else 1.0]
+        )
         failed = [r for r, row in enumerate(rows) if row[0]]
         if failed:
             raise RuntimeError(
@@ -422,8 +488,7 @@ class PassSync:
                 "the quantities of this pass could not be made global; this rank's are left "
                 "incomplete."
             )
-        signatures = {row[1] for row in rows}
-        if len(signatures) > 1:
+        if len({row[1] for row in rows}) > 1:
             raise RuntimeError(
                 "backpack: the ranks computed different quantities in this backward pass "
                 "(different models, extensions, loss functions or reductions, or parameters "
@@ -431,27 +496,40 @@ class PassSync:
                 "rank must run the same model and backward; use backpack(..., sync=False) for "
                 "local quantities."
             )
-        losses = plan["losses"]
-        if losses and losses[0] is not None:
-            total = sum(row[2] for row in rows)
-            rho = losses[0] / total if total else 0.0
-        else:
-            rho = 1.0
-        self._reduce(plan, rho)
+        if any(row[3] for row in rows):  # some rank's data is not in the first message
+            head = 0
+            flats = plan.fill(head) if plan.buckets else []
+            if flats:
+                _communicate("all-reduce the pass's quantities", flats, self.group)
+        _LAYOUTS[self.key] = plan.shape(4 * self.world)
+        mean = bool(plan.losses) and plan.losses[0] is not None
+        total = sum(row[2] for row in rows) if mean else 1.0
+        self._store(plan, flats, head, total)
 
     # --- the collectives ---------------------------------------------------------------------
-    def _exchange(self, error: bool, signature: int, nu: float) -> list[list[float]]:
-        """The header: every rank's [error flag, signature, loss normaliser]."""
+    def _first_round(
+        self, plan: _Plan | None, header: list[float]
+    ) -> tuple[list[Tensor], list[list[float]]]:
+        """The header of every rank, in the buffers of the agreed shape (with `plan`'s data)."""
         self.exchanged = True
-        mine = torch.zeros(self.world, 3, dtype=torch.float64)
-        mine[self.rank] = torch.tensor([float(error), float(signature), nu], dtype=torch.float64)
-        header = mine.to(_header_device(self.group))
-        _communicate("synchronise the backward pass", [header], self.group)  # error agreement
-        return header.tolist()
+        head = 4 * self.world
+        cached = _LAYOUTS.get(self.key)
+        if plan is not None:
+            flats = plan.fill(head)
+        elif cached:
+            flats = [torch.zeros(n, dtype=dtype, device=device) for device, dtype, n in cached]
+        else:
+            device = _header_device(self.group)
+            flats = [torch.zeros(head, dtype=torch.float64, device=device)]
+        mine = torch.tensor(header, dtype=torch.float64).to(flats[0].dtype)
+        flats[0][4 * self.rank : 4 * self.rank + 4].copy_(mine)
+        _communicate("synchronise the backward pass", flats, self.group)
+        return flats, flats[0][:head].view(self.world, 4).tolist()
 
-    def _collect(self) -> dict[str, Any]:
+    def _plan(self) -> _Plan:
         """What this rank reduces: fresh quantities of the pass, loss normalisers, signature."""
-        losses = [self.losses[k] for k in sorted(self.losses)]
+        plan = _Plan()
+        losses = plan.losses = [self.losses[k] for k in sorted(self.losses)]
         entries = []
         for p, before, count in self.params.values():
             for field, kind, power in self.kinds:
@@ -462,47 +540,23 @@ class PassSync:
                 entries.append((p, field, kind, power, value, count))
         if entries and not losses:
             raise RuntimeError(
-                "backpack needs the loss function extended to make quantities global across "
+                "backpack needs to know the loss function to make quantities global across "
                 "ranks: its reduction ('mean' over how many samples) decides their scale. Use "
                 "lossfunc = backpack.extend(torch.nn.CrossEntropyLoss()) (or another torch "
                 "loss), or backpack(..., sync=False) for this rank's local quantities."
             )
-        signature = [("loss", nu is None) for nu in losses]
-        for _, field, kind, _, value, _ in entries:
-            if kind in ("sum", "variance"):
-                signature.append((field, tuple(value.shape), str(value.dtype)))
-            elif kind == "kron":
-                signature.append((field, tuple((tuple(f.shape), str(f.dtype)) for f in value)))
-            elif kind == "mp":
-                signature.append((field,))
-        digest = zlib.crc32(repr(signature).encode()) & 0x7FFFFFFF
-        nu = losses[0] if losses and losses[0] is not None else 0.0
-        return {"losses": losses, "entries": entries, "signature": digest + 1, "nu": nu}
-
-    def _reduce(self, plan: dict[str, Any], rho: float) -> None:
-        entries, losses = plan["entries"], plan["losses"]
-        buckets: dict[tuple[str, str], _Bucket] = {}
-        scalars: list[float] = []
-
-        def bucket_of(t: Tensor) -> _Bucket:
-            dtype = _reduce_dtype(t.dtype)
-            key = (str(t.device), str(dtype))
-            if key not in buckets:
-                buckets[key] = _Bucket(t.device, dtype)
-            return buckets[key]
-
-        def scalar(value: float) -> int:
-            scalars.append(float(value))
-            return len(scalars) - 1
-
-        jobs: list[tuple[Any, ...]] = []
+        signature: list[Any] = [("loss", nu is None) for nu in losses]
+        # sums are sent at the scale of reduction="sum" (times ν^power), divided by the global
+        # normaliser's power once it is known: the header and the data travel together
+        nu = plan.nu = losses[0] if losses and losses[0] is not None else 1.0
         with torch.no_grad():
             for p, field, kind, power, value, count in entries:
-                scale = rho**power
+                scale = nu**power
                 if kind == "sum":
                     value = value.detach()
-                    bucket = bucket_of(value)
-                    jobs.append((p, field, kind, value, bucket, bucket.add(value, scale)))
+                    bucket = plan.bucket_of(value)
+                    spans: Any = bucket.add(value, scale)
+                    signature.append((field, tuple(value.shape), str(value.dtype)))
                 elif kind == "variance":
                     sgs, gsum, n = self.variances.get((id(p), field), (None, None, count))
                     if sgs is None:
@@ -514,47 +568,58 @@ class PassSync:
                                 "backpack(..., sync=False)."
                             )
                         sgs = gsum = torch.zeros_like(value)
-                    bucket = bucket_of(value)
+                    bucket = plan.bucket_of(value)
                     spans = (
                         bucket.add(sgs.detach(), scale),
-                        bucket.add(gsum.detach(), rho),
-                        scalar(n),
+                        bucket.add(gsum.detach(), nu),
+                        plan.scalar(n),
                     )
-                    jobs.append((p, field, kind, value, bucket, spans))
+                    signature.append((field, tuple(value.shape), str(value.dtype)))
                 elif kind == "kron":
-                    factors = [f.detach() for f in value]
-                    bucket = bucket_of(factors[0])
-                    spans = [bucket.add(factors[0], scale)]
-                    spans += [bucket.add(f, float(count)) for f in factors[1:]]
-                    jobs.append((p, field, kind, factors, bucket, (spans, scalar(count))))
+                    value = [f.detach() for f in value]
+                    bucket = plan.bucket_of(value[0])
+                    factor_spans = [bucket.add(value[0], scale)]
+                    factor_spans += [bucket.add(f, float(count)) for f in value[1:]]
+                    spans = (factor_spans, plan.scalar(count))
+                    signature.append((field, tuple((tuple(f.shape), str(f.dtype)) for f in value)))
                 else:
-                    jobs.append((p, field, kind, value, None, scale))
-            check = None
+                    bucket, spans = None, None
+                    if kind == "mp":
+                        signature.append((field,))
+                plan.jobs.append((p, field, kind, value, bucket, spans, power))
             if len(losses) > 1:
-                # every rank's normaliser of every loss: their ratios must agree (below)
-                check = len(scalars)
+                # every rank's normaliser of every loss: their ratios must agree (`_check_ratios`)
+                plan.check = len(plan.scalars)
                 for j in range(self.world * len(losses)):
                     rank, k = divmod(j, len(losses))
-                    nu = losses[k]
-                    mine = rank == self.rank
-                    scalars.append((1.0 if nu is None else nu) if mine else 0.0)
-            order = [buckets[k] for k in sorted(buckets)]
-            if scalars and not order:
-                order = [_Bucket(_header_device(self.group), torch.float64)]
-            flats = [b.fill(scalars if i == 0 else []) for i, b in enumerate(order)]
-            if flats:
-                _communicate("all-reduce the pass's quantities", flats, self.group)
-            values = flats[0][flats[0].numel() - len(scalars) :].tolist() if scalars else []
-            if check is not None:
-                self._check_ratios(losses, values[check:])
-            for p, field, kind, value, bucket, spans in jobs:
-                if kind != "rows":
-                    setattr(p, field, self._finish(kind, value, bucket, spans, values))
-        scaled: dict[int, Tensor] = {}  # a tensor stored twice is scaled once
-        for p, field, kind, value, _, scale in jobs:
-            if kind == "rows":
+                    mine = 1.0 if losses[k] is None else losses[k]
+                    plan.scalars.append(mine if rank == self.rank else 0.0)
+                if not plan.buckets:
+                    plan.buckets[("", "", 0)] = _Bucket(
+                        _header_device(self.group), torch.float64
+                    )
+        # < 2^24: exact in the float32 header
+        plan.signature = float((zlib.crc32(repr(signature).encode()) & 0xFFFFFF) + 1)
+        return plan
+
+    def _store(self, plan: _Plan, flats: list[Tensor], head: int, total: float) -> None:
+        """Turn the reduced buffers into global quantities; scale the local rows."""
+        scalars = flats[0][head : head + len(plan.scalars)].tolist() if plan.scalars else []
+        if plan.check is not None:
+            self._check_ratios(plan.losses, scalars[plan.check :])
+        rho = plan.nu / total if total else 0.0
+        with torch.no_grad():
+            for p, field, kind, value, bucket, spans, power in plan.jobs:
+                if kind in ("sum", "variance", "kron"):
+                    result = self._finish(kind, value, bucket, spans, scalars, total, power)
+                    setattr(p, field, result)
+        scaled: dict[int, Any] = {}  # a tensor stored twice is scaled once
+        for p, field, kind, value, _, _, power in plan.jobs:
+            if kind == "mp":
+                setattr(p, field, GlobalProduct(value, rho**power, self.group))
+            elif kind == "rows":
                 if id(value) not in scaled:
-                    scaled[id(value)] = _scale_rows(value, scale)
+                    scaled[id(value)] = _scale_rows(value, rho**power)
                 setattr(p, field, scaled[id(value)])
 
     def _check_ratios(self, losses: list[float | None], slots: list[float]) -> None:
@@ -576,31 +641,54 @@ class PassSync:
                         "backpack(..., sync=False)."
                     )
 
-    def _finish(self, kind: str, value: Any, bucket: Any, spans: Any, scalars: list) -> Any:
-        """The global value of one quantity, from the reduced bucket (or scaled locally)."""
+    def _finish(
+        self,
+        kind: str,
+        value: Any,
+        bucket: _Bucket,
+        spans: Any,
+        scalars: list[float],
+        total: float,
+        power: float,
+    ) -> Any:
+        """The global value of one summed quantity, from the reduced buffer.
+
+        Ranks sent sums at the scale of reduction="sum" (times their normaliser to `power`);
+        `total` is the global normaliser (1 for "sum").
+        """
+        divide = total**power if total else 1.0
         if kind == "sum":
-            return bucket.view(spans, value)
+            result = bucket.view(spans, value.shape)
+            if divide != 1.0:
+                result.div_(divide)
+            return _as(result, value)
         if kind == "variance":
             sq_span, sum_span, count = spans
-            total = scalars[count]
-            sq = bucket.flat[sq_span[0] : sq_span[1]].view(value.shape)
-            grad_sum = bucket.flat[sum_span[0] : sum_span[1]].view(value.shape)
-            if total:
-                sq.div_(total).addcmul_(grad_sum, grad_sum, value=-1.0 / total**2).clamp_min_(0)
+            samples = scalars[count]
+            sq = bucket.view(sq_span, value.shape)
+            grad_sum = bucket.view(sum_span, value.shape)
+            if samples:
+                mean_sq, mean = 1.0 / (divide * samples), 1.0 / ((total or 1.0) * samples)
+                sq.mul_(mean_sq).addcmul_(grad_sum, grad_sum, value=-(mean**2)).clamp_min_(0)
             else:
                 sq.zero_()
-            return sq if sq.dtype == value.dtype else sq.to(value.dtype)
-        if kind == "kron":
-            factor_spans, count = spans
-            total = scalars[count]
-            result = [bucket.view(factor_spans[0], value[0])]
-            for span, factor in zip(factor_spans[1:], value[1:]):
-                mean = bucket.flat[span[0] : span[1]].view(factor.shape)
-                if total:
-                    mean.div_(total)
-                result.append(mean if mean.dtype == factor.dtype else mean.to(factor.dtype))
-            return result
-        return GlobalProduct(value, spans, self.group)  # "mp"
+            return _as(sq, value)
+        factor_spans, count = spans  # "kron": [G (a sum), A... (means over samples)]
+        samples = scalars[count]
+        first = bucket.view(factor_spans[0], value[0].shape)
+        if divide != 1.0:
+            first.div_(divide)
+        result = [_as(first, value[0])]
+        for span, factor in zip(factor_spans[1:], value[1:]):
+            mean = bucket.view(span, factor.shape)
+            if samples:
+                mean.div_(samples)
+            result.append(_as(mean, factor))
+        return result
+
+
+def _as(result: Tensor, like: Tensor) -> Tensor:
+    return result if result.dtype == like.dtype else result.to(like.dtype)
 
 
 def _scale_rows(value: Tensor, scale: float) -> Tensor:

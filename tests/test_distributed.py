@@ -8,6 +8,7 @@ Each test spawns its processes once and runs a whole scenario of checks in them
 from __future__ import annotations
 
 import json
+import multiprocessing
 import socket
 import time
 from pathlib import Path
@@ -29,6 +30,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Workers fork from a clean server process that imported torch, backpack and the checks once
+# (safer than forking this multi-threaded test process, faster than importing in each worker).
+multiprocessing.set_forkserver_preload(["distributed_checks"])
+
+
 def spawn(scenario: str, world: int, tmp_path: Path, limit: float = 90.0) -> dict:
     """Run a scenario on `world` gloo processes; {check: {rank: failure or None}}."""
     context = mp.start_processes(
@@ -36,7 +42,7 @@ def spawn(scenario: str, world: int, tmp_path: Path, limit: float = 90.0) -> dic
         args=(world, free_port(), scenario, str(tmp_path)),
         nprocs=world,
         join=False,
-        start_method="spawn",
+        start_method="forkserver",
     )
     deadline = time.monotonic() + limit
     try:
