@@ -695,6 +695,8 @@ def _scale_rows(value: Tensor, scale: float) -> Tensor:
     """Per-sample rows, local, scaled as rows of the global batch."""
     if scale == 1.0:
         return value
-    if value.requires_grad or value._base is not None:
-        return value * scale  # keeps a graph (create_graph=True); never writes into a view
+    if value.requires_grad:
+        return value * scale  # keeps its graph (create_graph=True)
+    # in place: rules compute fresh tensors (no alias of autograd's gradients), and a copy
+    # of large per-sample tensors costs page faults on the CPU
     return value.mul_(scale)
