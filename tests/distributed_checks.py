@@ -444,19 +444,31 @@ def unextended_loss(rank: int, world: int) -> None:
 
 
 def different_quantities(rank: int, world: int) -> None:
-    """A rank that computes other quantities (a frozen parameter) makes every rank raise."""
-    model, _ = pair(mlp)
-    if rank == world - 1:
-        model[0].bias.requires_grad_(False)
+    """A rank that computes other quantities (a frozen parameter) makes every rank raise.
+
+    Before and after, the ranks agree (the agreed buffer shape survives the refused pass).
+    """
+    model, ref = pair(mlp)
     x, y = batch("ce", 4, (4,), 3)
     lf = extend(nn.CrossEntropyLoss())
+    with backpack(SumGradSquared(), Variance()):
+        lf(model(x), y).backward()
+    if rank == world - 1:
+        model[0].bias.requires_grad_(False)
     try:
-        with backpack(SumGradSquared()):
+        with backpack(SumGradSquared(), Variance()):
             lf(model(x), y).backward()
     except RuntimeError as err:
         assert "different quantities" in str(err), err
     else:
         raise AssertionError("different quantities were not refused")
+    model[0].bias.requires_grad_(True)
+    with backpack(SumGradSquared(), Variance()):
+        lf(model(x), y).backward()
+    xs, ys = torch.cat([x] * world), torch.cat([y] * world)  # every rank holds the same batch
+    with backpack(SumGradSquared(), Variance(), sync=False):
+        lf(ref(xs), ys).backward()
+    compare(model, ref, 0, 0, ["sum_grad_squared", "variance"])
 
 
 def kfra_refused(rank: int, world: int) -> None:
@@ -543,6 +555,10 @@ def error_in_backward(rank: int, world: int, ddp: bool = False) -> None:
         if rank == failing:
             raise ValueError("boom")
 
+    with backpack(BatchGrad(), DiagGGNExact()):  # agree on the buffers: one collective next
+        lf(net(x), y).backward()
+    net.zero_grad()
+
     def run():
         with backpack(BatchGrad(), DiagGGNExact(), extension_hook=hook):
             lf(net(x), y).backward()
@@ -551,7 +567,16 @@ def error_in_backward(rank: int, world: int, ddp: bool = False) -> None:
 
 
 def after_error(rank: int, world: int) -> None:
-    """The ranks stay in step after an agreed error: the next pass is global again."""
+    """The ranks stay in step after an agreed error: the next passes are global again."""
+    model, ref = pair(mlp)
+    x, y = batch("ce", sum(SIZES[world]), (4,), 3)
+    (xr, yr), start, stop = shard([x, y], SIZES[world], rank)
+    lf = extend(nn.CrossEntropyLoss())
+    with backpack(BatchGrad(), DiagGGNExact()):  # the extensions of the failed pass
+        lf(model(xr), yr).backward()
+    with backpack(BatchGrad(), DiagGGNExact(), sync=False):
+        lf(ref(x), y).backward()
+    compare(model, ref, start, stop, ["grad_batch", "diag_ggn_exact"])
     exact_case("ce", "mean")(rank, world)
 
 
