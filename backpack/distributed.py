@@ -20,11 +20,14 @@ same loss reduction:
 
 Communication goes through torch.distributed only, on a process group of backpack's own
 (created once per process, collectively, when the first synchronising context is entered) so
-that its collectives never interleave with DDP's. Per backward pass there are two: a small
-header (every rank's error flag, a signature of what it reduces and its loss normaliser) and
-one all-reduce of a flat bucket per device and dtype holding every summed quantity. The header
-is an error agreement: a rank whose backward fails inside backpack still sends it, flagged, so
-the other ranks raise instead of waiting. A rank that never reaches its backward (an error
+that its collectives never interleave with DDP's. Per backward pass there is one all-reduce: a
+small header (every rank's error flag, a signature of what it reduces, its loss normaliser) in
+front of a flat buffer per device and dtype holding every summed quantity at the scale of
+`reduction="sum"`, divided by the global normaliser afterwards. The buffer has the shape the
+ranks agreed on in the previous pass with the same extensions; the first pass (or one whose
+quantities changed) sends the header first and the data in a second all-reduce. The header is
+an error agreement: a rank whose backward fails inside backpack still sends it, flagged, so the
+other ranks raise instead of waiting. A rank that never reaches its backward (an error
 elsewhere) makes the others raise after `TIMEOUT_S` seconds, the group's timeout.
 """
 
