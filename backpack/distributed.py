@@ -598,9 +598,7 @@ class PassSync:
                     mine = 1.0 if losses[k] is None else losses[k]
                     plan.scalars.append(mine if rank == self.rank else 0.0)
                 if not plan.buckets:
-                    plan.buckets[("", "", 0)] = _Bucket(
-                        _header_device(self.group), torch.float64
-                    )
+                    plan.buckets[("", "", 0)] = _Bucket(_header_device(self.group), torch.float64)
         # < 2^24: exact in the float32 header
         plan.signature = float((zlib.crc32(repr(signature).encode()) & 0xFFFFFF) + 1)
         return plan

@@ -147,9 +147,8 @@ def _measure(name: str, ext_name: str, cfg: dict, device: torch.device) -> dict[
         "ddp_ms": 1e3 * med["ddp"],
         "local_ms": 1e3 * med["local"],
         "global_ms": 1e3 * med["global"],
-        "extra_ms": 1e3 * statistics.median(
-            g - loc for g, loc in zip(times["global"], times["local"])
-        ),
+        "extra_ms": 1e3
+        * statistics.median(g - loc for g, loc in zip(times["global"], times["local"])),
         "sync_ms": 1e3 * statistics.median(sync_seconds),
         "reduced_bytes": reduced["bytes"],
         "repeats": repeats,
