@@ -269,6 +269,33 @@ def mc_case(kind: str, reduction: str):
     return check
 
 
+def float32_passes(rank: int, world: int) -> None:
+    """float32 (header in a float32 buffer), several passes per context (retain_graph)."""
+    torch.manual_seed(0)
+    model = extend(mlp())
+    ref = extend(copy.deepcopy(model))
+    x, y = batch("mse", sum(SIZES[world]), (4,), 3)
+    x, y = x.float(), y.float()
+    (xr, yr), start, stop = shard([x, y], SIZES[world], rank)
+    lf = extend(nn.MSELoss())
+    exts = [BatchGrad, SumGradSquared, Variance, DiagGGNExact, KFLR]
+    for _ in range(2):
+        with backpack(*[e() for e in exts], retain_graph=True):
+            loss = lf(model(xr), yr)
+            loss.backward(retain_graph=True)
+            loss.backward()
+    with backpack(*[e() for e in exts], sync=False):
+        lf(ref(x), y).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        pairs = [(p.grad_batch, q.grad_batch[start:stop])]
+        pairs += [(getattr(p, f), getattr(q, f)) for f in GLOBAL if hasattr(q, f)]
+        pairs += list(zip(p.kflr, q.kflr))
+        for ours, theirs in pairs:
+            assert ours.dtype == torch.float32
+            error = ((ours - theirs).abs().max() / theirs.abs().max()).item()
+            assert error < 1e-5, f"{name}: relative error {error:.2e}"
+
+
 def sync_false(rank: int, world: int) -> None:
     model, ref = pair(mlp)
     x, y = batch("ce", sum(SIZES[world]), (4,), 3)
@@ -512,6 +539,7 @@ MAIN: list[tuple[str, Callable]] = [
     ("exact-conv-ce-mean-ddp", exact_case("ce", "mean", convnet, (2, 6), ddp=True)),
     ("mc-ce-mean", mc_case("ce", "mean")),
     ("mc-mse-sum", mc_case("mse", "sum")),
+    ("float32-passes", float32_passes),
     ("sync-false", sync_false),
     ("equal-batches-ddp-grad", equal_batches_ddp_grad),
     ("uneven-ddp-comm-hook", uneven_ddp_comm_hook),
