@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from backpack import secondorder
+from backpack import distributed, secondorder
 from backpack.context import CTX
 from backpack.extensions.backprop_extension import (
     FAIL_ERROR,
@@ -530,6 +530,7 @@ class Engine:
         extension_hook: Callable[[nn.Module], None] | None,
         debug: bool,
         retain_graph: bool,
+        sync: Any = None,
     ) -> None:
         self.extensions = list(extensions)
         self.extension_hook = extension_hook
@@ -547,6 +548,8 @@ class Engine:
         self._functional: list[tuple[Record, Any]] = []
         #: records of functional linear calls on tied weights in the running `backward()`
         self._functional_linears: list[Record] = []
+        #: torch.distributed: makes quantities global at the end of each pass (or None)
+        self.sync = distributed.make_sync(sync, self.extensions)
         self._task_id: int | None = None
         self.reset()
 
@@ -614,6 +617,12 @@ class Engine:
             self._assemble_sqrt()
             for module, record in list(self._deferred_hooks.items()):
                 self._after_module(module, record)
+            if self.sync is not None:  # distributed: global quantities (backpack/distributed.py)
+                self.sync.finish_pass(self)
+        except BaseException:
+            if self.sync is not None:  # distributed: the other ranks raise instead of waiting
+                self.sync.abort_pass(self)
+            raise
         finally:
             self.reset()
 
@@ -648,10 +657,14 @@ class Engine:
             return
         try:
             self._enter_pass()
+            if self.sync is not None:  # distributed: the loss's normaliser
+                self.sync.on_call(self, record)
             if self.second_order:
                 with _no_autocast():
                     secondorder.on_loss_backward(self, record, promote_half(grads))
         except BaseException:
+            if self.sync is not None:  # distributed: the other ranks raise instead of waiting
+                self.sync.abort_pass(self)
             self.reset()
             raise
 
@@ -663,6 +676,8 @@ class Engine:
             self.layout.explore(torch._C._current_autograd_node())
             self._process(record, grads)
         except BaseException:
+            if self.sync is not None:  # distributed: the other ranks raise instead of waiting
+                self.sync.abort_pass(self)
             self.reset()  # the backward aborts: its end-of-pass callback will not run
             raise
 
@@ -673,6 +688,8 @@ class Engine:
         try:
             self._enter_pass()
         except BaseException:
+            if self.sync is not None:  # distributed: the other ranks raise instead of waiting
+                self.sync.abort_pass(self)
             self.reset()
             raise
         entry = self._partial.get(id(record))
@@ -746,6 +763,8 @@ class Engine:
 
     def _dispatch_rules(self, record: Record, grads: tuple[Tensor | None, ...]) -> None:
         module = record.module
+        if self.sync is not None:  # distributed: the call's parameters, a loss's normaliser
+            self.sync.on_call(self, record)
         if is_loss(module):
             if self.second_order:
                 secondorder.on_loss_backward(self, record, grads)
@@ -891,6 +910,7 @@ class Engine:
         sgs = quantities.get("sum_grad_squared") if variances else {}
         # nobody else stores these sums: the variance may be computed in their place
         private = len(variances) == 1 and all(e.quantity != "sum_grad_squared" for e in builtin)
+        private = private and self.sync is None  # distributed: the sums are reduced later
         if variances:
             # the fallback below may run after the record is freed
             quantities.record = _snapshot(record)
@@ -898,6 +918,7 @@ class Engine:
         for name in direct:
             part = None if psg is None else psg[name]
             wait = bool(variances) and variance_waits_for_grad(params[name])
+            wait = wait and self.sync is None  # distributed: the sums are reduced later
             coverage = self._cover(record, grads, rule, name, params[name], part, wait)
             for ext in variances:
                 fallback = partial(_grad_sum_of, quantities, name)
@@ -906,6 +927,8 @@ class Engine:
                     continue
                 variance = _variance_from_sums(sgs[name], fallback(), n, private)
                 setattr(params[name], ext.savefield, variance)
+                if self.sync is not None:  # distributed: the local sums of the global variance
+                    self.sync.stash_variance(params[name], ext.savefield, sgs[name], fallback(), n)
 
     def _finalize_accumulator(self, acc: _Accumulator) -> None:
         self._accumulators.pop(id(acc.param), None)
@@ -916,6 +939,9 @@ class Engine:
         for ext in self.first_order:
             value = quantities.get(ext.quantity, ext.get_subsampling())["p"]
             setattr(acc.param, ext.savefield, value)
+            if ext.quantity == "variance" and self.sync is not None:  # distributed: local sums
+                sums = quantities.get("sum_grad_squared")["p"], quantities.get("grad_sum")["p"]
+                self.sync.stash_variance(acc.param, ext.savefield, *sums, psg.shape[0])
 
     # --- second order --------------------------------------------------------------------------
     def _run_second_order(self, record: Record, grads: tuple[Tensor | None, ...]) -> bool:
@@ -1396,6 +1422,13 @@ class backpack:  # noqa: N801 (public name of the original API)
         debug: Print what happens, module by module.
         retain_graph: Keep what was recorded after a backward, so that several backward passes
             (with `backward(retain_graph=True)`) can run over one forward.
+        sync: Data-parallel training on torch.distributed (see "Distributed training" in the
+            docs). None (default): when torch.distributed is initialised with more than one
+            process, quantities summing over samples become those of the global batch (all
+            ranks' samples) and per-sample ones are scaled as its rows. False: keep this rank's
+            local quantities. True: like None, but raise if torch.distributed is not
+            initialised. A `DistributedDataParallel` model: like None, except in backward passes
+            inside its `no_sync()` (local quantities, no communication).
 
     Raises:
         ValueError: For a class instead of an instance, a non-extension, or two extensions
@@ -1408,6 +1441,7 @@ class backpack:  # noqa: N801 (public name of the original API)
         extension_hook: Callable[[nn.Module], None] | None = None,
         debug: bool = False,
         retain_graph: bool = False,
+        sync: Any = None,
     ) -> None:
         for ext in exts:
             if isinstance(ext, type) and issubclass(ext, BackpropExtension):
@@ -1430,10 +1464,13 @@ class backpack:  # noqa: N801 (public name of the original API)
         self.extension_hook = extension_hook
         self.debug = debug
         self.retain_graph = retain_graph
+        self.sync = sync  # distributed (backpack/distributed.py)
         self._engine: Engine | None = None
 
     def __enter__(self) -> backpack:
-        self._engine = Engine(self.exts, self.extension_hook, self.debug, self.retain_graph)
+        self._engine = Engine(
+            self.exts, self.extension_hook, self.debug, self.retain_graph, self.sync
+        )
         CTX.push_engine(self._engine)
         _ROOTS.enter()
         return self

@@ -789,6 +789,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run every problem in this process (default: one worker process per problem)",
     )
+    parser.add_argument(
+        "--distributed",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead: time backpack's all-reductions on N DDP processes (gloo on the CPU, "
+        "NCCL with --device cuda) against DDP's own step (benchmarks/distributed.py)",
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, default=math.inf, help=argparse.SUPPRESS)
@@ -861,6 +869,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: CUDA is not available")
+    if args.distributed:
+        from benchmarks.distributed import run_distributed
+
+        return run_distributed(args)
     if args.worker is not None:
         cfg = config_from_args(args)
         result = run_problem(args.worker, cfg)

@@ -162,3 +162,37 @@ def test_help_gives_every_default(capsys):
     for text in ("(default: all)", "(default: cpu)", "(default: 2)", "(default: bench-results)",
                  "(default: 3, or 0.5 with --quick/--tiny)", "(default: 840)"):
         assert text in out, text
+
+
+def test_distributed_table_renders():
+    """The `--distributed` mode's table (the processes themselves: the slow test below)."""
+    from benchmarks import distributed as D
+
+    row = {
+        "ddp_ms": 2.0,
+        "local_ms": 3.0,
+        "global_ms": 4.0,
+        "extra_ms": 1.0,
+        "sync_ms": 0.9,
+        "reduced_bytes": 2_000_000,
+        "repeats": 5,
+    }
+    results = {"mlp": {"SumGradSquared": row, "KFLR": {"error": "RuntimeError: boom"}}}
+    meta = {"world": 2, "backend": "gloo", "torch": "x", "threads": 1, "tiny": True}
+    table = D.render(results, meta)
+    assert "| mlp | SumGradSquared | 2.00 ms | 1.50x | 1.00 ms | 50% | 0.90 ms | 2.00 MB |" in table
+    assert "error: RuntimeError: boom" in table
+    args = R.build_parser().parse_args(["--distributed", "2", "--tiny"])
+    assert args.distributed == 2
+
+
+@pytest.mark.slow
+def test_distributed_mode_runs(tmp_path):
+    code = R.main(
+        ["--distributed", "2", "--tiny", "--problems", "mlp", "--extensions", "Variance",
+         "--out", str(tmp_path)]
+    )
+    assert code == 0
+    data = json.loads((tmp_path / "distributed.json").read_text())
+    row = data["results"]["mlp"]["Variance"]
+    assert "error" not in row and row["reduced_bytes"] > 0

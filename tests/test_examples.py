@@ -39,6 +39,8 @@ SMALL = {
         "3",
     ],
     "example_gradient_snr": ["--batch-size", "5", "--channels", "2"],
+    # relaunches itself with torchrun --nproc_per_node=2 (gloo on the CPU)
+    "example_distributed": ["--steps", "2", "--batch-size", "4", "--hidden", "4"],
 }
 
 
