@@ -47,6 +47,8 @@ from backpack.rules.losses import is_loss
 from backpack.samples import SampleLayout
 
 _GENERIC_RULE = FuncRule()
+#: the layout outside backward passes (no losses, nothing walked; never changed)
+_NO_LAYOUT = SampleLayout([])
 _WARNED_GENERIC: set[type] = set()
 
 
@@ -288,10 +290,17 @@ def _grad_sum_of(quantities: _Quantities, name: str) -> Tensor:
 _HALF = (torch.float16, torch.bfloat16)
 
 
+def _autocast_types() -> list[str]:
+    return [t for t in ("cpu", "cuda") if torch.is_autocast_enabled(t)]
+
+
 @contextmanager
-def _no_autocast() -> Iterator[None]:
-    """Rules run at full precision even if the backward was started inside `torch.autocast`."""
-    types = [t for t in ("cpu", "cuda") if torch.is_autocast_enabled(t)]
+def _no_autocast(types: list[str] | None = None) -> Iterator[None]:
+    """Rules run at full precision even if the backward was started inside `torch.autocast`.
+
+    `types` are the device types with autocast on (looked up if not given).
+    """
+    types = _autocast_types() if types is None else types
     if not types:
         yield
         return
@@ -537,6 +546,10 @@ class Engine:
     ) -> None:
         self.extensions = list(extensions)
         self.extension_hook = extension_hook
+        #: device types with autocast on during the running pass
+        self._autocast: list[str] = []
+        #: a context without extensions, hook or debug output only frees the records
+        self.idle = not self.extensions and extension_hook is None and not debug
         self.debug = debug
         self.retain_graph = retain_graph
         self.first_order = [
@@ -562,6 +575,8 @@ class Engine:
             # same pass, or a backward nested inside it (its end callback has not run yet)
             return
         self.reset()
+        self._dirty = True
+        self._autocast = _autocast_types()
         self._task_id = torch._C._current_graph_task_id()
         self.passes += 1
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_pass)
@@ -570,10 +585,13 @@ class Engine:
 
     def reset(self) -> None:
         """Forget everything about the current backward pass (also after an exception)."""
+        if not self.__dict__.get("_dirty", True):
+            return  # nothing happened since the last reset
+        self._dirty = False
         self._task_id = None
         if getattr(self, "layout", None) is not None:
             self.layout.close()
-        self.layout = SampleLayout([])
+        self.layout = _NO_LAYOUT
         #: whether an extended loss started the second-order factors in this pass
         self.loss_seen = False
         #: whether this pass met 16-bit tensors (autocast): autograd's own sums are rounded
@@ -674,6 +692,11 @@ class Engine:
     # --- entry point from the gradient hooks -------------------------------------------------
     def on_module_backward(self, record: Record, grads: tuple[Tensor | None, ...]) -> None:
         """Run the active extensions on one module call whose output gradients are known."""
+        if self.idle:
+            # nothing to compute or call: only free what the forward recorded
+            if not record.disabled and not self.retain_graph:
+                record.free()
+            return
         try:
             self._enter_pass()
             self.layout.explore(torch._C._current_autograd_node())
@@ -688,6 +711,10 @@ class Engine:
         self, record: Record, parts: list[tuple[int, Tensor | None]], nodes: int
     ) -> None:
         """Gradients of some outputs of a multi-output call (one of its `nodes` output nodes)."""
+        if self.idle:
+            if not record.disabled and not self.retain_graph:
+                record.free()
+            return
         try:
             self._enter_pass()
         except BaseException:
@@ -726,7 +753,7 @@ class Engine:
             # mixed precision: rules compute and accumulate in float32
             grads = promote_half(grads)
             self.low_precision = True
-        with _no_autocast():
+        with _no_autocast(self._autocast):
             view, grads = self._view_for_rules(record, grads)
             self._dispatch_rules(view, grads)
 
@@ -1474,7 +1501,8 @@ class backpack:  # noqa: N801 (public name of the original API)
             self.exts, self.extension_hook, self.debug, self.retain_graph, self.sync
         )
         CTX.push_engine(self._engine)
-        _ROOTS.enter()
+        if not self._engine.idle:
+            _ROOTS.enter()
         return self
 
     def __exit__(self, exc_type: object, *exc_info: object) -> None:
@@ -1482,7 +1510,8 @@ class backpack:  # noqa: N801 (public name of the original API)
         if engine is not None:
             engine.reset()
             CTX.pop_engine(engine)
-            _ROOTS.exit()
+            if not engine.idle:
+                _ROOTS.exit()
             if exc_type is None and engine.extensions and engine.passes == 0:
                 _warn_nothing_extended(engine)
         self._engine = None
