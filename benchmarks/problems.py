@@ -248,6 +248,12 @@ class GPT(nn.Module):
         self.ln = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.tok.weight  # tied input and output embedding
+        # GPT-2's initialisation of the embeddings: near-uniform predictions at the start. (With
+        # torch's default N(0, 1) the tied head's logits have a standard deviation of about
+        # sqrt(dim), the softmax saturates, and most logit gradients become subnormal floats,
+        # which make every matrix product that touches them many times slower on CPUs.)
+        for emb in (self.tok, self.pos):
+            nn.init.normal_(emb.weight, std=0.02)
         # switches for the Opacus baseline (see `for_opacus`); the benchmarked model keeps both
         self.causal = True
         self.positions_per_sample = False
