@@ -10,6 +10,7 @@ benchmark code path runs in seconds; the smoke test uses it.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ __all__ = [
     "NO_EXTENSION",
     "TORCH_FUNC",
     "OPACUS",
+    "OPACUS_NORMS",
     "build",
     "target_for",
 ]
@@ -212,6 +214,101 @@ def _lstm(tiny: bool) -> tuple[nn.Module, Tensor, Tensor, nn.Module]:
     return model, x, y, nn.CrossEntropyLoss()
 
 
+# --- transformer ----------------------------------------------------------------------------------
+class GPTBlock(nn.Module):
+    """Pre-norm transformer block: causal self-attention and a GELU MLP, both residual."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, 4 * dim)
+        self.proj = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
+        """`[N, T, dim] -> [N, T, dim]`; `mask` is True above the diagonal (future tokens)."""
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.proj(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """A small decoder-only transformer with a learned position embedding and a tied head.
+
+    Returns the logits as `[N, vocab, T]`, the layout `nn.CrossEntropyLoss` takes with targets
+    `[N, T]` (so that per-sample baselines can slice one sequence of inputs and targets).
+    """
+
+    def __init__(self, vocab: int, context: int, dim: int, heads: int, blocks: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(context, dim)
+        self.blocks = nn.ModuleList(GPTBlock(dim, heads) for _ in range(blocks))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight  # tied input and output embedding
+        # GPT-2's initialisation of the embeddings: near-uniform predictions at the start. (With
+        # torch's default N(0, 1) the tied head's logits have a standard deviation of about
+        # sqrt(dim), the softmax saturates, and most logit gradients become subnormal floats,
+        # which make every matrix product that touches them many times slower on CPUs.)
+        for emb in (self.tok, self.pos):
+            nn.init.normal_(emb.weight, std=0.02)
+        # switches for the Opacus baseline (see `for_opacus`); the benchmarked model keeps both
+        self.causal = True
+        self.positions_per_sample = False
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """Token indices `[N, T]` -> logits `[N, vocab, T]`."""
+        t = idx.shape[1]
+        positions = torch.arange(t, device=idx.device)
+        if self.positions_per_sample:
+            positions = positions.expand(idx.shape[0], t).contiguous()
+        mask = torch.ones(t, t, dtype=torch.bool, device=idx.device).triu(1)
+        mask = mask if self.causal else None
+        x = self.tok(idx) + self.pos(positions)  # [N, T, dim] + [T, dim]
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.ln(x)).transpose(1, 2)
+
+    def for_opacus(self, ghost: bool) -> tuple[nn.Module, str]:
+        """A copy Opacus can run, and a note saying how it differs.
+
+        Opacus's `DPMultiheadAttention` (which `ModuleValidator.fix` puts in place of
+        `nn.MultiheadAttention`) checks a 2-D `attn_mask` against the batch size when
+        `batch_first=True` and rejects `is_causal`, so the copy attends without the causal mask
+        (the same arithmetic less one masked fill). Opacus's hooks take the first axis of every
+        layer input as the batch, so the position embedding is looked up for `[N, T]` indices
+        instead of being broadcast. Ghost clipping refuses tied parameters, so for it the head
+        gets its own copy of the embedding matrix.
+        """
+        model = copy.deepcopy(self)
+        model.causal = False
+        model.positions_per_sample = True
+        note = (
+            "no causal mask (DPMultiheadAttention rejects a [T, T] attn_mask with "
+            "batch_first=True), position embedding looked up per sample"
+        )
+        if ghost:
+            model.head.weight = nn.Parameter(self.tok.weight.detach().clone())
+            note += ", head untied (ghost clipping refuses tied parameters)"
+        return model, note
+
+
+def _gpt(tiny: bool) -> tuple[nn.Module, Tensor, Tensor, nn.Module]:
+    """GPT: 4 blocks, width 128, 4 heads, context 64, vocabulary 512, N=16; next-token CE."""
+    torch.manual_seed(0)
+    sizes = (11, 5, 8, 2, 1, 3) if tiny else (512, 64, 128, 4, 4, 16)
+    vocab, context, dim, heads, blocks, n = sizes
+    model = GPT(vocab, context, dim, heads, blocks)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (n, context + 1), generator=gen, device="cpu")
+    device = torch.get_default_device()
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # predict the next token
+    x, y = x.to(device), y.to(device)
+    return model, x, y, nn.CrossEntropyLoss()
+
+
 PROBLEMS: dict[str, BenchProblem] = {
     p.name: p
     for p in [
@@ -235,6 +332,12 @@ PROBLEMS: dict[str, BenchProblem] = {
         BenchProblem(
             "lstm", "LSTM 28->64 over 28 steps, last output -> Linear 10; CE; N=32", _lstm
         ),
+        BenchProblem(
+            "gpt",
+            "GPT: 4 pre-norm blocks (d=128, 4 heads, MLP 512), context 64, vocab 512, learned "
+            "positions, tied head; token CE on [N, 512, 64] logits; N=16",
+            _gpt,
+        ),
     ]
 }
 CNN_PROBLEMS = ("3c3d", "allcnnc_small", "resnet_small")
@@ -249,6 +352,9 @@ def build(name: str, tiny: bool = False) -> tuple[nn.Module, Tensor, Tensor, nn.
 NO_EXTENSION = "extended (no extension)"
 TORCH_FUNC = "torch.func per-sample"
 OPACUS = "Opacus per-sample"
+#: Opacus's ghost clipping: per-sample gradient norms without per-sample gradients (the
+#: first of its two backward passes, the one that measures the norms)
+OPACUS_NORMS = "Opacus ghost norms"
 #: the floor of per-sample gradients: a plain step that also writes a fresh `[N, *param]` tensor
 #: per parameter once (what any method must at least do to return them)
 WRITE_ONCE = "plain + writing [N, P] once"
@@ -270,7 +376,7 @@ SECOND_ORDER = (
     "PCHMP",
 )
 EXTENSION_ROWS = (NO_EXTENSION, *FIRST_ORDER, *SECOND_ORDER)
-BASELINE_ROWS = (TORCH_FUNC, OPACUS, WRITE_ONCE)
+BASELINE_ROWS = (TORCH_FUNC, OPACUS, OPACUS_NORMS, WRITE_ONCE)
 
 
 # --- targets -------------------------------------------------------------------------------------
@@ -318,9 +424,17 @@ def target_for(
     problem: str,
     torch_func_ratio: float | None,
     write_once_ratio: float | None = None,
+    opacus_ratio: float | None = None,
+    opacus_norms_ratio: float | None = None,
 ) -> list[Target]:
-    """The issue's targets for one (row, problem) cell (empty if it sets none)."""
+    """The issue's targets for one (row, problem) cell (empty if it sets none).
+
+    `opacus_ratio` / `opacus_norms_ratio`: the measured Opacus per-sample gradient / ghost norm
+    rows, which the transformer problem's same quantities must beat.
+    """
     targets: list[Target] = []
+    if problem == "gpt":
+        return _gpt_targets(row, torch_func_ratio, opacus_ratio, opacus_norms_ratio)
     cnn = problem in CNN_PROBLEMS
     if row == NO_EXTENSION:
         limit = 1.3 if problem == "mlp" else 1.05
@@ -351,4 +465,28 @@ def target_for(
         targets.append(_relative(row, "KFLR", 0.6))
     if row == "KFRA" and cnn:
         targets.append(Target("finishes, or refuses up front (< 1 s)", kind="finish_or_refuse"))
+    return targets
+
+
+def _gpt_targets(
+    row: str,
+    torch_func_ratio: float | None,
+    opacus_ratio: float | None,
+    opacus_norms_ratio: float | None,
+) -> list[Target]:
+    """Targets of the transformer problem (issue 12), on 2 CPU threads."""
+    targets: list[Target] = []
+    if row == "BatchL2Grad":
+        targets.append(Target("<= 1.5x", 1.5))
+        if opacus_norms_ratio is not None:
+            targets.append(
+                Target(f"<= Opacus ghost norms ({opacus_norms_ratio:.2f}x)", opacus_norms_ratio)
+            )
+    if row == "BatchGrad":
+        if torch_func_ratio is not None:
+            targets.append(Target(f"<= torch.func ({torch_func_ratio:.2f}x)", torch_func_ratio))
+        if opacus_ratio is not None:
+            targets.append(Target(f"<= Opacus per-sample ({opacus_ratio:.2f}x)", opacus_ratio))
+    if row in ("DiagGGNMC", "KFAC"):
+        targets.append(Target("<= 3x", 3.0))
     return targets

@@ -33,6 +33,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -222,8 +223,14 @@ class Case:
     loadavg: float | None = None  # 1-minute load average when the case finished
 
 
+_CPU_ALLOC_FAILURE = re.compile(r"can't allocate memory: you tried to allocate (\d+) bytes")
+
+
 def _short_error(err: BaseException) -> str:
     text = " ".join(str(err).split())
+    failed = _CPU_ALLOC_FAILURE.search(text)
+    if failed:  # torch's CPU allocator message starts with a C++ source location
+        return f"out of memory: one allocation of {int(failed.group(1)) / 2**30:.1f} GiB failed"
     return f"{type(err).__name__}: {text}" if not isinstance(err, NotImplementedError) else text
 
 
@@ -335,32 +342,57 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _opacus_step(model: nn.Module, lossfunc: nn.Module, x, y) -> tuple[Callable, Callable, str]:
-    """Opacus's `GradSampleModule` (layers it cannot hook, e.g. nn.LSTM, replaced by its own)."""
+def _opacus_step(
+    model: nn.Module, lossfunc: nn.Module, x, y, ghost: bool = False
+) -> tuple[Callable, Callable, str]:
+    """Opacus's `GradSampleModule`, or with `ghost` its ghost-clipping norm module.
+
+    Layers Opacus cannot hook are replaced by its own (`ModuleValidator.fix`, e.g. nn.LSTM ->
+    DPLSTM, nn.MultiheadAttention -> DPMultiheadAttention). A problem's model may provide
+    `for_opacus(ghost) -> (model, note)`, a copy adapted to what Opacus accepts.
+    """
     from opacus import GradSampleModule
     from opacus.validators import ModuleValidator
 
-    note = ""
+    notes = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = copy.deepcopy(model)
+        if hasattr(model, "for_opacus"):
+            model, adapted = model.for_opacus(ghost)
+            notes.append("model adapted for Opacus: " + adapted)
+        else:
+            model = copy.deepcopy(model)
         problems = ModuleValidator.validate(model, strict=False)
         if problems:
             model = ModuleValidator.fix(model)
-            note = "model adapted with opacus ModuleValidator.fix: " + "; ".join(
-                str(p).split(". ")[0] for p in problems
+            notes.append(
+                "model adapted with opacus ModuleValidator.fix: "
+                + "; ".join(str(p).split(". ")[0] for p in problems)
             )
-        gsm = GradSampleModule(model)
+        if ghost:
+            from opacus.grad_sample import GradSampleModuleFastGradientClipping
+
+            gsm = GradSampleModuleFastGradientClipping(
+                model,
+                loss_reduction=getattr(lossfunc, "reduction", "mean"),
+                use_ghost_clipping=True,
+            )
+        else:
+            gsm = GradSampleModule(model)
 
     def step() -> None:
         lossfunc(gsm(x), y).backward()
+        if ghost:  # the per-sample norms of the whole model, from each parameter's norms
+            gsm.get_norm_sample()
 
     def clear() -> None:
         for p in gsm.parameters():
             p.grad = None
             p.grad_sample = None
+            if hasattr(p, "_norm_sample"):
+                p._norm_sample = None
 
-    return step, clear, note
+    return step, clear, "; ".join(notes)
 
 
 def _torch_func_step(model: nn.Module, lossfunc: nn.Module, x, y) -> Callable:
@@ -422,6 +454,7 @@ def run_problem(name: str, cfg: Config) -> dict[str, Any]:
     factories = _extension_factories()
     cases: dict[str, Case] = {}
     torch_func_ratio = write_once_ratio = None
+    opacus_ratios: dict[str, float] = {}
     ordered = [r for r in P.BASELINE_ROWS if r in cfg.rows]
     ordered += [r for r in P.EXTENSION_ROWS if r in cfg.rows]
     for row in ordered:
@@ -450,9 +483,11 @@ def run_problem(name: str, cfg: Config) -> dict[str, Any]:
             )
             if case.status == "ok":
                 write_once_ratio = case.ratio
-        elif row == P.OPACUS:
+        elif row in (P.OPACUS, P.OPACUS_NORMS):
             try:
-                step, clear_opacus, note = _opacus_step(model, plain_loss, x, y)
+                step, clear_opacus, note = _opacus_step(
+                    model, plain_loss, x, y, ghost=row == P.OPACUS_NORMS
+                )
             except ImportError:
                 cases[row] = Case("n/a", reason="Opacus is not installed")
                 continue
@@ -469,6 +504,8 @@ def run_problem(name: str, cfg: Config) -> dict[str, Any]:
                 step, plain_step, clear_both, plain_estimate, plain_peak, cfg, device
             )
             case.note = note
+            if case.status == "ok":
+                opacus_ratios[row] = case.ratio
         else:
             make = factories[row]
 
@@ -504,6 +541,8 @@ def run_problem(name: str, cfg: Config) -> dict[str, Any]:
         "seconds_total": time.perf_counter() - started,
         "torch_func_ratio": torch_func_ratio,
         "write_once_ratio": write_once_ratio,
+        "opacus_ratio": opacus_ratios.get(P.OPACUS),
+        "opacus_norms_ratio": opacus_ratios.get(P.OPACUS_NORMS),
         "cases": {row: asdict(case) for row, case in cases.items()},
     }
 
@@ -524,9 +563,13 @@ def judge(
     case: dict,
     torch_func_ratio: float | None,
     write_once_ratio: float | None = None,
+    opacus_ratio: float | None = None,
+    opacus_norms_ratio: float | None = None,
 ) -> dict | None:
     """Evaluate the issue's targets on one cell: met True/False, or None if undetermined."""
-    targets = P.target_for(row, problem, torch_func_ratio, write_once_ratio)
+    targets = P.target_for(
+        row, problem, torch_func_ratio, write_once_ratio, opacus_ratio, opacus_norms_ratio
+    )
     if not targets:
         return None
     verdicts = []
@@ -739,7 +782,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="ROW",
         help="extension class names and/or 'none' (extended, no extension), 'torch.func', "
-        "'opacus', 'write-once' (the floor of per-sample results) (default: all)",
+        "'opacus', 'opacus-norms' (ghost clipping), 'write-once' (the floor of per-sample "
+        "results) (default: all)",
     )
     parser.add_argument(
         "--quick",
@@ -807,6 +851,7 @@ _ALIASES = {
     "none": P.NO_EXTENSION,
     "torch.func": P.TORCH_FUNC,
     "opacus": P.OPACUS,
+    "opacus-norms": P.OPACUS_NORMS,
     "write-once": P.WRITE_ONCE,
 }
 
@@ -859,7 +904,15 @@ def _worker_argv(args: argparse.Namespace, name: str, out: str, deadline: float)
 def _add_verdicts(name: str, result: dict) -> None:
     tf = result.get("torch_func_ratio")
     result["verdicts"] = {
-        row: judge(row, name, case, tf, result.get("write_once_ratio"))
+        row: judge(
+            row,
+            name,
+            case,
+            tf,
+            result.get("write_once_ratio"),
+            result.get("opacus_ratio"),
+            result.get("opacus_norms_ratio"),
+        )
         for row, case in result.get("cases", {}).items()
     }
 
@@ -874,6 +927,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_distributed(args)
     if args.worker is not None:
+        if args.device == "cpu":
+            _limit_address_space()
         cfg = config_from_args(args)
         result = run_problem(args.worker, cfg)
         Path(args.worker_out).write_text(json.dumps(result))
@@ -946,6 +1001,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out_dir / "results.md").write_text(markdown)
     print(markdown)
     return 0
+
+
+#: share of the physical memory a CPU worker may map (see `_limit_address_space`)
+MEMORY_SHARE = 0.8
+
+
+def _limit_address_space() -> None:
+    """Let a CPU worker map at most `MEMORY_SHARE` of the physical memory.
+
+    A case that needs more (e.g. an exact loss-Hessian factor with one column per class and
+    position) then fails with an allocation error, recorded as its result, instead of pushing
+    the machine into swap or getting the whole worker killed.
+    """
+    try:
+        import resource
+
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        limit = int(MEMORY_SHARE * total)
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        if soft == resource.RLIM_INFINITY or soft > limit:
+            resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    except (ImportError, ValueError, OSError):  # not on this platform: run without the guard
+        pass
 
 
 def _opacus_version() -> str | None:

@@ -69,13 +69,27 @@ MIXING_NOTE = (
 )
 
 
+def _kron_form(cls: type) -> str:
+    """What the Kronecker-factor extensions store for layers whose factors are not `[G, A]`."""
+    from torch.nn.modules.instancenorm import _InstanceNorm
+
+    norms = (nn.LayerNorm, nn.GroupNorm, _InstanceNorm, getattr(nn, "RMSNorm", nn.LayerNorm))
+    if issubclass(cls, norms):
+        return " (one dense block per parameter)"
+    if issubclass(cls, nn.Embedding):
+        return " (for `weight.T`)"
+    if issubclass(cls, nn.MultiheadAttention):
+        return " (dense blocks for some parameters, see notes)"
+    return ""
+
+
 def parametrized_rows() -> list[list[str]]:
     """One row per layer class with a dedicated rule (in registration order)."""
     rows = []
     for cls in _rules.registered_module_classes():
         rule = _rules.find_rule(cls.__new__(cls))
         mark = "¹" if _overrides(rule, "mixes_samples") else ""
-        kron = YES + mark if _overrides(rule, "kron_factors") else NO
+        kron = YES + mark + _kron_form(cls) if _overrides(rule, "kron_factors") else NO
         hessian = YES + mark if _is_curvature_free(cls) else f"{NO} (nonlinear in its input)"
         rows.append([_name(cls), YES + mark, YES + mark, kron, hessian])
     return rows

@@ -53,7 +53,12 @@ def test_problems_build_deterministically():
         for p1, p2 in zip(m1.parameters(), m2.parameters()):
             torch.testing.assert_close(p1, p2, rtol=0, atol=0)
         with torch.no_grad():
-            assert m1(x1).shape == (x1.shape[0], 10)
+            out = m1(x1)
+        if name == "gpt":  # next-token logits [N, vocab, T] for targets [N, T]
+            assert out.shape == (x1.shape[0], m1.tok.num_embeddings, x1.shape[1])
+            assert y1.shape == x1.shape
+        else:
+            assert out.shape == (x1.shape[0], 10)
 
 
 def test_full_size_shapes_of_3c3d():
@@ -102,7 +107,7 @@ def _check(results, markdown, problems, rows):
     for row in rows:
         assert len(ratios[row]) == len(problems)
         assert len(memory[row]) == len(problems)
-        if row != P.OPACUS:  # "—" when Opacus is not installed
+        if row not in (P.OPACUS, P.OPACUS_NORMS):  # "—" when Opacus is not installed
             for cell in ratios[row]:
                 assert CELL.match(cell), (row, cell)
 
@@ -120,6 +125,40 @@ def test_tiny_run_every_row(tmp_path, capsys):
     rows = list(P.EXTENSION_ROWS + P.BASELINE_ROWS)
     results, markdown = _run_tiny(tmp_path, capsys, ["mlp_big"], rows)
     _check(results, markdown, ["mlp_big"], rows)
+
+
+def test_tiny_run_gpt_every_row(tmp_path, capsys):
+    rows = list(P.EXTENSION_ROWS + P.BASELINE_ROWS)
+    results, markdown = _run_tiny(tmp_path, capsys, ["gpt"], rows)
+    _check(results, markdown, ["gpt"], rows)
+    cases = results["problems"]["gpt"]["cases"]
+    for row in ("BatchGrad", "BatchL2Grad", "DiagGGNMC", "KFAC", P.TORCH_FUNC):
+        assert cases[row]["status"] == "ok", (row, cases[row]["reason"])
+    # attention and layer norms have no exact Hessian rule: refused, not wrong numbers
+    assert cases["DiagHessian"]["status"] == "refused"
+    if results["meta"]["opacus"] is not None:
+        assert cases[P.OPACUS]["status"] == "ok", cases[P.OPACUS]["reason"]
+        assert "model adapted for Opacus" in cases[P.OPACUS]["note"]
+
+
+def test_gpt_variant_for_opacus_keeps_the_parameters():
+    model, x, _, _ = P.build("gpt", tiny=True)
+    for ghost in (False, True):
+        copy, note = model.for_opacus(ghost)
+        assert copy is not model and not copy.causal and copy.positions_per_sample
+        assert (copy.head.weight is copy.tok.weight) is not ghost
+        assert ("untied" in note) is ghost
+        with torch.no_grad():
+            assert copy(x).shape == model(x).shape
+    assert model.causal and model.head.weight is model.tok.weight
+
+
+def test_allocation_failures_are_reported_in_gib():
+    err = RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+        "memory: you tried to allocate 68719476736 bytes. Error code 12"
+    )
+    assert R._short_error(err) == "out of memory: one allocation of 64.0 GiB failed"
 
 
 @pytest.mark.parametrize("row", ["BatchGrad"])
@@ -150,6 +189,13 @@ def test_targets_are_judged():
     assert R.judge("BatchGrad", "mlp_big", {**ok, "ratio": 10.5}, 20.0, 10.0)["met"] is True
     assert R.judge("BatchGrad", "mlp_big", {**ok, "ratio": 11.5}, 20.0, 10.0)["met"] is False
     assert R.judge("DiagGGNExact", "3c3d", {**ok, "ratio": 5.0}, None)["met"] is None
+    # the transformer problem: its own targets, including beating Opacus's same quantity
+    assert R.judge("BatchL2Grad", "gpt", {**ok, "ratio": 1.4}, None)["met"] is True
+    assert R.judge("BatchL2Grad", "gpt", {**ok, "ratio": 1.4}, None, None, 5.0, 1.3)["met"] is False
+    assert R.judge("BatchGrad", "gpt", {**ok, "ratio": 3.0}, 4.0, None, 2.0)["met"] is False
+    assert R.judge("KFAC", "gpt", {**ok, "ratio": 2.9}, None)["met"] is True
+    assert R.judge("DiagGGNMC", "gpt", {**ok, "ratio": 3.1}, None)["met"] is False
+    assert R.judge("Variance", "gpt", ok, None) is None
     refused = {"status": "refused", "ratio": None, "first_run_seconds": 0.01, "reason": "x"}
     assert R.judge("KFRA", "3c3d", refused, None)["met"] is True
     assert R.judge("SqrtGGNMC", "mlp", ok, None) is None

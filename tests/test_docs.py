@@ -26,6 +26,7 @@ RUNNABLE_PAGES = [
     "extensions.md",
     "good-to-know.md",
     "residual-networks.md",
+    "transformers.md",
     "verify.md",
 ]
 
@@ -84,7 +85,13 @@ def test_table_covers_every_registry_entry(table):
 def test_table_cells_follow_the_rules(table):
     names = rows(table)
     assert names["torch.nn.Linear"] == ["✓", "✓", "✓", "✓"]
-    assert names["torch.nn.Embedding"][2] == "✓"  # a Linear layer on one-hot inputs
+    assert names["torch.nn.Embedding"][2] == "✓ (for `weight.T`)"  # Linear on one-hot inputs
+    for norm in ("LayerNorm", "GroupNorm", "InstanceNorm2d"):
+        assert names[f"torch.nn.{norm}"][2] == "✓ (one dense block per parameter)", norm
+        assert names[f"torch.nn.{norm}"][3].startswith("✗")
+    attention = names["torch.nn.MultiheadAttention"]
+    assert attention[:3] == ["✓", "✓", "✓ (dense blocks for some parameters, see notes)"]
+    assert attention[3].startswith("✗")
     assert names["torch.nn.Tanh"][3].startswith("✓")
     batchnorm = names["torch.nn.BatchNorm1d"]
     assert batchnorm[0] == "✓¹" and batchnorm[2] == "✗"

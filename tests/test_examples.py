@@ -41,6 +41,32 @@ SMALL = {
     "example_gradient_snr": ["--batch-size", "5", "--channels", "2"],
     # relaunches itself with torchrun --nproc_per_node=2 (gloo on the CPU)
     "example_distributed": ["--steps", "2", "--batch-size", "4", "--hidden", "4"],
+    "example_gpt_dp_clipping": [
+        "--batch-size",
+        "4",
+        "--context",
+        "8",
+        "--dim",
+        "8",
+        "--blocks",
+        "1",
+        "--steps",
+        "2",
+    ],
+    "example_gpt_curvature": [
+        "--batch-size",
+        "4",
+        "--context",
+        "8",
+        "--dim",
+        "8",
+        "--blocks",
+        "1",
+        "--steps",
+        "2",
+        "--lrs",
+        "0.1",
+    ],
 }
 
 
@@ -95,3 +121,19 @@ def test_laplace_tunes_the_prior_on_validation_digits_and_says_so(capsys):
         assert (variance <= 1 / tau + 1e-7).all()
     # the comparison with MAP is explained either way
     assert "-> " in out and "test NLL" in out
+
+
+def test_gpt_dp_clipping_lowers_the_loss():
+    # the default model and settings, fewer steps: private training still learns the text
+    result = load("example_gpt_dp_clipping").main(["--steps", "25"])
+    assert result["after"] < result["before"] - 0.2
+
+
+def test_gpt_curvature_compares_three_methods(capsys):
+    result = load("example_gpt_curvature").main(
+        ["--batch-size", "4", "--context", "8", "--dim", "8", "--blocks", "1", "--steps", "3",
+         "--lrs", "0.03", "0.1"]
+    )
+    assert set(result["results"]) == {"sgd", "diag", "kfac"}
+    out = capsys.readouterr().out
+    assert "lowest loss:" in out and "KFAC step of a Embedding" in out
