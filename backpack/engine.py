@@ -614,6 +614,8 @@ class Engine:
         self._covered: set[tuple[int, int]] = set()
         #: id(module) -> probed contribution magnitudes of its parameters (see `_Coverage`)
         self._scales: dict[int, list[Tensor]] = {}
+        #: group of samples -> (sample count, first module seen with it) in this pass
+        self._sample_counts: dict[Any, tuple[int, nn.Module]] = {}
 
     def batch_size(self, record: Record) -> int:
         """Number of samples of a recorded call (by its rule's batch axis)."""
@@ -777,7 +779,11 @@ class Engine:
                 if per_sample is not None:
                     per_sample = promote_half(per_sample)
                     total = per_sample.sum(0).reshape(grads[0].shape)
-                    if not torch.allclose(total, grads[0].to(total), rtol=1e-4, atol=1e-6):
+                    expected = grads[0].to(total)
+                    finite = bool(torch.isfinite(total).all()) and bool(
+                        torch.isfinite(expected).all()
+                    )  # NaN/inf (a diverging run) cannot be compared: keep the rows
+                    if finite and not torch.allclose(total, expected, rtol=1e-4, atol=1e-6):
                         raise RuntimeError(
                             f"The output of {describe(record.module)} holds no sample axis and "
                             "is broadcast over the samples, but also used elsewhere, so its "
@@ -803,6 +809,7 @@ class Engine:
         if not self.extensions:
             self._after_module(module, record)
             return
+        self._check_sample_count(record)
         deferred = self._run_first_order(record, grads)
         if self.second_order:
             if find_activation_rule(module) is not None:
@@ -812,6 +819,37 @@ class Engine:
             self._deferred_hooks[module] = record
         else:
             self._after_module(module, record)
+
+    def _check_sample_count(self, record: Record) -> None:
+        """Refuse calls of one loss's samples that disagree on how many samples there are.
+
+        A layer applied to sequence-first tensors (`[T, N, D]`, samples along axis 1) or to
+        flattened samples (`[N·T, D]`) would otherwise give per-position rows, and curvature
+        mixing the positions of a sample, without any error.
+        """
+        if not self.layout.losses or record.disabled or not trainable_params(record.module):
+            return
+        first = record.args[0] if record.args else None
+        if not isinstance(first, Tensor):
+            return
+        if first.dim() < 2 and not isinstance(record.module, nn.Embedding):
+            return  # unbatched calls (an embedding's [N] indices are a batch)
+        size = (find_rule(record.module) or _GENERIC_RULE).batch_size(record)
+        key = self.layout.group_of(record)
+        seen = self._sample_counts.get(key)
+        if seen is None:
+            self._sample_counts[key] = (size, record.module)
+            return
+        if seen[0] != size:
+            raise RuntimeError(
+                f"{describe(record.module)} processes {size} samples along its batch axis, but "
+                f"{describe(seen[1])}, which the same loss reaches, processes {seen[0]}. One of "
+                "them sees the samples along another axis (a layer applied to sequence-first "
+                "[T, N, ...] tensors) or flattened with other axes ([N·T, ...]), so its "
+                "per-sample quantities would be per position. Keep the batch axis first "
+                "(batch_first=True, or transpose before such layers) and do not merge it with "
+                "other axes inside the model."
+            )
 
     def _after_module(self, module: nn.Module, record: Record) -> None:
         self._deferred_hooks.pop(module, None)

@@ -13,6 +13,7 @@ intermediate feature dimension must be small enough for a dense `[D, D]` matrix.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -139,6 +140,7 @@ def _plan(engine: Engine, loss_record: Record) -> list[tuple]:
     """
     edge = loss_record.input_edges[0]
     shape = tuple(loss_record.args[0].shape[1:])
+    _check_dim(shape, f"input of {loss_record.module.__class__.__name__}")
     steps: list[tuple] = []
     while edge is not None:
         nearest = _nearest_records(edge)
@@ -223,12 +225,18 @@ def _check_chain_covers(loss_record: Record, steps: list[tuple]) -> None:
         stack.extend(n for n, _ in node.next_functions)
 
 
-def start_kfra(engine: Engine, loss_record: Record, sum_hessian: Tensor) -> None:
-    """Run the KFRA recursion from the loss down the module chain and store the factors."""
+def start_kfra(
+    engine: Engine, loss_record: Record, sum_hessian: Callable[[], Tensor]
+) -> None:
+    """Run the KFRA recursion from the loss down the module chain and store the factors.
+
+    `sum_hessian` builds the batch-summed loss Hessian; it runs only once the chain is known
+    to be feasible (the dense matrix can be large).
+    """
     exts = [e for e in engine.second_order if e.factor == "sum"]
     steps = _plan(engine, loss_record)
     n = loss_record.args[0].shape[0]
-    gbar = sum_hessian
+    gbar = sum_hessian()
     roots = _Roots()
     results: list[tuple[Record, dict]] = []
     with torch.no_grad():

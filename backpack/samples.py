@@ -360,6 +360,12 @@ class SampleLayout:
             return None  # the only samples of its model
         return self._rows[group][0], self._model_rows[group]
 
+    def group_of(self, record: Record) -> int | None:
+        """Which set of samples a call belongs to (0 when the pass has one)."""
+        if not self.several_groups:
+            return 0
+        return self._groups.get(id(record.origin or record))
+
     def reached(self, record: Record) -> bool:
         """Whether the walk found `record` (always True before a walk)."""
         return not self.walked or id(record.origin or record) in self._groups

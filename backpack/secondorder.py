@@ -348,7 +348,9 @@ def on_loss_backward(engine: Engine, record: Record, grads: tuple[Tensor | None,
                 s = rule.sqrt_hessian_sampled(record, key[1])
             if weight != 1:
                 s = s * weight**0.5
-            if positions is not None:
+            if positions is not None and key[0] == "exact":
+                # exact columns must not mix two positions of a sample; sampled columns may
+                # (as for [N, C, T] outputs): their cross terms vanish in expectation
                 s = _spread_columns(s, *positions)
             factors.append(s)
             engine.loss_columns.setdefault(key, {})[pos] = (s.shape[0], sign)
@@ -400,7 +402,7 @@ def on_loss_backward(engine: Engine, record: Record, grads: tuple[Tensor | None,
                 "KFRA needs the rows of the loss input to be the model's samples; "
                 f"{describe(module)} gets a flattened output. Use KFLR or KFAC."
             )
-        start_kfra(engine, record, rule.sum_hessian(record) * scale_value)
+        start_kfra(engine, record, lambda: rule.sum_hessian(record) * scale_value)
 
 
 #: autograd nodes that only move entries around (a loss input reaching modules through them

@@ -317,3 +317,50 @@ def test_context_without_extended_modules_warns_once():
         with backpack(BatchGrad()):
             model(torch.randn(4, 3)).sum().backward()
     assert not hasattr(model.weight, "grad_batch")
+
+
+# --- calls that disagree on the samples ------------------------------------------------------
+class _Positions(nn.Module):
+    """Token + position embedding (positions broadcast over the batch), optionally added twice."""
+
+    def __init__(self, twice=False, vocab=7, t=4, d=6):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(t, d)
+        self.mix, self.head = nn.Linear(d, d), nn.Linear(d, vocab)
+        self.twice, self.t = twice, t
+
+    def forward(self, idx):
+        p = self.pos(torch.arange(self.t))
+        x = self.tok(idx) + p
+        x = self.mix(x) + p if self.twice else self.mix(x)
+        return self.head(torch.tanh(x)).transpose(1, 2)
+
+
+def test_position_embedding_used_twice_is_refused_not_silently_per_position():
+    model = extend(_Positions(twice=True).to(DTYPE))
+    idx = torch.randint(0, 7, (3, 4))
+    with pytest.raises(RuntimeError, match="'pos' \\(Embedding\\) processes 4 samples"):
+        with backpack(BatchGrad()):
+            nn.functional.cross_entropy(model(idx), idx).backward()
+
+
+def test_nan_in_a_broadcast_position_embedding_keeps_nan_gradients():
+    model = extend(_Positions().to(DTYPE))
+    with torch.no_grad():
+        model.pos.weight[0, 0] = float("nan")
+    idx = torch.randint(0, 7, (3, 4))
+    with backpack(BatchGrad()):
+        nn.functional.cross_entropy(model(idx), idx).backward()
+    assert model.pos.weight.grad_batch.shape == (3, 4, 6)
+    assert torch.isnan(model.pos.weight.grad).any()
+
+
+@pytest.mark.parametrize("extension", [BatchGrad, DiagGGNExact], ids=lambda e: e.__name__)
+def test_layer_on_sequence_first_tensors_is_refused(extension):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(6, 2, 8, dropout=0.0)  # sequence-first
+    model = extend(nn.Sequential(layer, nn.Linear(6, 5)).to(DTYPE))
+    x, y = torch.randn(4, 3, 6, dtype=DTYPE), torch.randint(0, 5, (12,))
+    with pytest.raises(RuntimeError, match="processes .* samples along its batch axis"):
+        with backpack(extension()):
+            nn.functional.cross_entropy(model(x).reshape(-1, 5), y).backward()
