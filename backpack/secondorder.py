@@ -406,35 +406,34 @@ def on_loss_backward(engine: Engine, record: Record, grads: tuple[Tensor | None,
 
 
 #: autograd nodes that only move entries around (a loss input reaching modules through them
-#: can be mapped row by row to the modules' samples)
+#: can be mapped row by row to the modules' samples); all are free of curvature
 _INDEX_NODES = {
-    "ViewBackward0",
-    "ReshapeAliasBackward0",
-    "UnsafeViewBackward0",
-    "PermuteBackward0",
-    "TransposeBackward0",
-    "TransposeBackward1",
-    "TBackward0",
-    "CloneBackward0",
-    "SqueezeBackward0",
-    "SqueezeBackward1",
-    "SqueezeBackward2",
-    "SqueezeBackward3",
-    "SqueezeBackward4",
-    "UnsqueezeBackward0",
-    "SliceBackward0",
-    "SelectBackward0",
-    "IndexBackward0",
-    "CatBackward0",
-    "StackBackward0",
-    "SplitBackward0",
-    "SplitWithSizesBackward0",
-    "UnbindBackward0",
-    "FlattenBackward0",
-    "AsStridedBackward0",
-    "AliasBackward0",
-    "ToCopyBackward0",
-}
+    name
+    for name in _CURVATURE_FREE_NODES
+    if name.startswith(
+        (
+            "View",
+            "ReshapeAlias",
+            "UnsafeView",
+            "Permute",
+            "Transpose",
+            "TBackward",
+            "Clone",
+            "Squeeze",
+            "Unsqueeze",
+            "Slice",
+            "Select",
+            "Index",
+            "Cat",
+            "Stack",
+            "Split",
+            "Unbind",
+            "Flatten",
+            "AsStrided",
+            "Alias",
+        )
+    )
+} | {"ToCopyBackward0"}
 
 
 def _nearest_outputs(edge: GradientEdge) -> list[tuple[Record, int, GradientEdge]] | None:

@@ -450,15 +450,22 @@ def _pair_grads(module: nn.Module, x: Tensor, f: Tensor) -> Iterator[tuple[slice
                 yield ns, vs, convnd.pair_weight_grads_unfold(module, xs, fs, shared)
 
 
+def _transposed_without_groups(module: nn.Module) -> bool:
+    """Whether `module` is a transposed convolution (refused if grouped: no common A)."""
+    if not convnd.is_transposed(module):
+        return False
+    if module.groups != 1:
+        raise NotImplementedError(
+            f"Kronecker factors are not defined for grouped transposed convolutions "
+            f"({module}): the groups share no common input factor."
+        )
+    return True
+
+
 def _reduced_input_kron_factor(module: nn.Module, x: Tensor, out_size: Sequence[int]) -> Tensor:
     """Batch mean of ā āᵀ with ā the unfolded input averaged over positions (groups averaged)."""
     n, groups = x.shape[0], module.groups
-    if convnd.is_transposed(module):
-        if groups != 1:
-            raise NotImplementedError(
-                f"Kronecker factors are not defined for grouped transposed convolutions "
-                f"({module}): the groups share no common input factor."
-            )
+    if _transposed_without_groups(module):
         mean = _transposed_unfold(module, x, out_size).mean(-1)  # [N, K']
         return mean.T @ mean / n
     u = convnd.unfold_channels_first(module, x, out_size)  # [C_in K, N L]
@@ -470,12 +477,7 @@ def _reduced_input_kron_factor(module: nn.Module, x: Tensor, out_size: Sequence[
 def _input_kron_factor(module: nn.Module, x: Tensor, out_size: Sequence[int]) -> Tensor:
     """Batch mean of Σ_l u_l u_lᵀ over unfolded inputs (groups averaged), chunked over samples."""
     n, groups = x.shape[0], module.groups
-    if convnd.is_transposed(module):
-        if groups != 1:
-            raise NotImplementedError(
-                f"Kronecker factors are not defined for grouped transposed convolutions "
-                f"({module}): the groups share no common input factor."
-            )
+    if _transposed_without_groups(module):
         u = _transposed_unfold(module, x, out_size)  # [N, K', L]
         flat = u.transpose(0, 1).reshape(u.shape[1], -1)
         return (flat @ flat.T) / n

@@ -252,16 +252,6 @@ class _PerSampleNormRule(ModuleRule):
             f = f[:, index] if f.shape[1] != 1 else f
         return self._contract(record, x, f, names, lead=1)
 
-    def diag_from_factor(self, record, factors, names, coef, per_sample):  # noqa: D102
-        sqrt = self.sqrt_factor(record, factors, names)
-        result = {}
-        for name, value in sqrt.items():
-            sq = value.square()
-            if coef is not None:
-                sq = sq * coef.reshape(*coef.shape, *([1] * (sq.dim() - 2)))
-            result[name] = sq.sum(0) if per_sample else sq.sum((0, 1))
-        return result
-
     def kron_factors(self, record, factors, names, approx="expand"):  # noqa: D102
         """One dense factor per parameter: Σ_{v,n} (Jᵀ f)(Jᵀ f)ᵀ, `[numel, numel]`.
 
