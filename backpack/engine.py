@@ -564,6 +564,8 @@ class Engine:
         self._functional: list[tuple[Record, Any]] = []
         #: records of functional linear calls on tied weights in the running `backward()`
         self._functional_linears: list[Record] = []
+        #: extended loss calls the running `backward()`'s roots reach (None: not known)
+        self._root_losses: list[Record] | None = None
         #: torch.distributed: makes quantities global at the end of each pass (or None)
         self.sync = distributed.make_sync(sync, self.extensions)
         self._task_id: int | None = None
@@ -581,7 +583,7 @@ class Engine:
         self.passes += 1
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_pass)
         functional = [r for r, _ in self._functional]
-        self.layout = SampleLayout.discover(self.batch_size, functional)
+        self.layout = SampleLayout.discover(self.batch_size, functional, self._root_losses)
 
     def reset(self) -> None:
         """Forget everything about the current backward pass (also after an exception)."""
@@ -632,7 +634,8 @@ class Engine:
                 self._process(record, tuple(grads))
             # parameters whose gradient hook did not run (autograd.grad without them as inputs)
             for coverage in self._coverage.values():
-                coverage.finish(None)
+                if coverage.pending:
+                    coverage.finish(None)
             for acc in list(self._accumulators.values()):
                 self._finalize_accumulator(acc)
             for curvature in list(self._curvatures.values()):
@@ -654,7 +657,7 @@ class Engine:
 
         Returns the pre-hooks installed on their nodes (the caller removes them afterwards).
         """
-        self._functional, linears = find_functional_calls(roots)
+        self._functional, linears, self._root_losses = find_functional_calls(roots)
         handles = []
         for record, node in self._functional:
 
@@ -670,6 +673,7 @@ class Engine:
     def end_backward(self) -> None:
         """After a `backward()` returned (or raised)."""
         self._functional = []
+        self._root_losses = None
         for record in self._functional_linears:
             record.free()
         self._functional_linears = []

@@ -21,7 +21,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 
-from backpack.recording import Record, param_owners, records_at, walk_nodes
+from backpack.recording import Record, is_loss_module, param_owners, records_at, walk_nodes
 
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 _NLL = ("NllLossBackward0", "NllLoss2DBackward0")
@@ -163,19 +163,23 @@ def _linear(node: Any, consumer: Any) -> tuple[Record, Any] | None:
 
 def find_functional_calls(
     roots: list[Tensor],
-) -> tuple[list[tuple[Record, Any]], list[tuple[Record, Any]]]:
+) -> tuple[list[tuple[Record, Any]], list[tuple[Record, Any]], list[Record]]:
     """Functional losses and functional linear calls between the roots and the records.
 
-    Returns (loss record, loss node) pairs and (linear record, output node) pairs; the walk stops
-    at recorded calls (extended losses and modules) and at each loss found.
+    Returns (loss record, loss node) pairs, (linear record, output node) pairs and the records
+    of the extended loss calls met; the walk stops at recorded calls (extended losses and
+    modules) and at each loss found.
     """
     losses: list[tuple[Record, Any]] = []
     linears: list[tuple[Record, Any]] = []
+    extended: list[Record] = []
     consumers: dict[int, int] = {}
     parent: dict[int, Any] = {}
     stack = [t.grad_fn for t in roots if isinstance(t, Tensor) and t.grad_fn is not None]
     for node in walk_nodes(stack):
-        if records_at(node):
+        found = records_at(node)
+        if found:
+            extended.extend(r for r, _, _ in found if is_loss_module(r.module))
             continue
         pattern = _PATTERNS.get(node.name())
         if pattern is not None:
@@ -203,7 +207,7 @@ def find_functional_calls(
     # the log-probabilities of a cross-entropy used elsewhere too (label smoothing computes
     # such a second term) make it another loss: leave it unrecognised
     losses = [(r, n) for r, n in losses if not _shared_log_probs(n, consumers)]
-    return losses, linears
+    return losses, linears, extended
 
 
 def _shared_log_probs(node: Any, consumers: dict[int, int]) -> bool:

@@ -278,10 +278,12 @@ def sample_free(args: tuple) -> bool:
     return not first.dtype.is_floating_point or first.dim() == 0 or first.shape[0] == 1
 
 
-def sample_free_records() -> list[Record]:
-    """Live records of calls that may produce outputs without a sample axis."""
+def has_sample_free_records() -> bool:
+    """Whether calls that may produce outputs without a sample axis have live records."""
+    if not _SAMPLE_FREE:
+        return False
     with _LOCK:
-        return [r for r in _SAMPLE_FREE if not r.freed]
+        return any(not r.freed for r in _SAMPLE_FREE)
 
 
 def live_loss_records() -> list[Record]:

@@ -28,12 +28,12 @@ from torch.autograd.graph import GradientEdge
 from backpack.recording import (
     Record,
     describe,
+    has_sample_free_records,
     live_loss_records,
     live_records,
     param_owners,
     records_at,
     sample_free,
-    sample_free_records,
     trainable_params,
     walk_nodes,
 )
@@ -201,17 +201,26 @@ class SampleLayout:
         self._parents: dict[int, list[tuple[Any, int]]] = {}
 
     @classmethod
-    def discover(cls, batch_size: Any, functional: list[Record] | None = None) -> SampleLayout:
+    def discover(
+        cls,
+        batch_size: Any,
+        functional: list[Record] | None = None,
+        extended: list[Record] | None = None,
+    ) -> SampleLayout:
         """The layout of the running backward; `batch_size(record)` gives a call's sample count.
 
-        `functional` are the records of losses called as functions that this backward reaches
-        (found from its roots before it started).
+        `functional` are the records of losses called as functions that this backward reaches,
+        `extended` those of the extended loss calls its roots reach (both found from the roots
+        before it started; None: the roots are unknown, live loss records are checked instead).
         """
-        losses = [r for r in live_loss_records() if loss_in_pass(r)]
-        layout = cls(losses + list(functional or ()))
+        if extended is None:
+            extended = [r for r in live_loss_records() if loss_in_pass(r)]
+        else:
+            extended = sorted({id(r): r for r in extended}.values(), key=lambda r: r.order)
+        layout = cls(extended + list(functional or ()))
         # calls that may be broadcast over the samples need the graph's consumers, several
         # losses need to know which calls they reach; otherwise nothing is walked up front
-        layout.candidates = bool(sample_free_records())
+        layout.candidates = has_sample_free_records()
         if layout.losses and (len(layout.losses) > 1 or layout.candidates):
             layout.walk(batch_size)
         return layout
