@@ -109,6 +109,22 @@ class _GlobalContext:
         stack = self._local.engines
         return stack[-1] if stack else None
 
+    def hook_engine(self, forward_thread: int | None) -> Engine | None:
+        """The engine a module hook hands its call to, or None (none active, or propagating).
+
+        The hot path of every recorded call's backward: one thread-local lookup.
+        """
+        local = self._local
+        if local.propagating:
+            return None
+        stack = local.engines
+        if stack:
+            return stack[-1]
+        if not self._stacks or forward_thread is None:
+            return None
+        other = self._stacks.get(forward_thread)
+        return other[-1] if other else None
+
     def engine_for(self, forward_thread: int | None) -> Engine | None:
         """The engine a hook belongs to: the running thread's, else the forward's thread's.
 

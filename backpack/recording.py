@@ -546,9 +546,7 @@ def records_at(node: Any, freed: bool = False) -> list[tuple[Record, int, int]]:
 
 
 def _dispatch(record: Record, grads: tuple[Tensor | None, ...]) -> None:
-    if CTX.propagating:
-        return
-    engine = CTX.engine_for(record.thread)
+    engine = CTX.hook_engine(record.thread)
     if engine is not None:
         engine.on_module_backward(record, grads)
 
