@@ -30,7 +30,7 @@ from backpack.extensions.backprop_extension import (
 )
 from backpack.extensions.firstorder.base import FirstOrderBackpropExtension
 from backpack.extensions.secondorder import SecondOrderBackpropExtension
-from backpack.functional_calls import find_functional_calls
+from backpack.functional_calls import FunctionalLinear, find_functional_calls
 from backpack.recording import (
     Record,
     describe,
@@ -270,16 +270,6 @@ def _due_for_check(param: Tensor) -> bool:
         weakref.finalize(param, _PASSES.pop, key, None)
     _PASSES[key] = seen + 1
     return seen < 4 or seen % 16 == 0
-
-
-def _snapshot(record: Record) -> Record:
-    """A private copy of a record's references (it survives `record.free()`, is never counted)."""
-    copy = Record.__new__(Record)
-    for slot in Record.__slots__:
-        if slot != "__weakref__":
-            setattr(copy, slot, getattr(record, slot))
-    copy.extra = {}
-    return copy
 
 
 def _grad_sum_of(quantities: _Quantities, name: str) -> Tensor:
@@ -684,6 +674,7 @@ class Engine:
             return
         try:
             self._enter_pass()
+            record.promote_half()  # rules read its (possibly 16-bit) saved values in float32
             if self.sync is not None:  # distributed: the loss's normaliser
                 self.sync.on_call(self, record)
             if self.second_order:
@@ -956,8 +947,7 @@ class Engine:
         placement: tuple[int, int] | None,
     ) -> None:
         """First-order quantities of parameters only this call uses in the pass."""
-        batch_size = rule.batch_size(record)
-        n = batch_size if placement is None else placement[1]
+        n = rule.batch_size(record) if placement is None else placement[1]
         quantities = _Quantities(rule, record, grads, direct, n)
         variances = [e for e in builtin if e.quantity == "variance"]
         for ext in builtin:
@@ -985,7 +975,8 @@ class Engine:
         private = private and self.sync is None  # distributed: the sums are reduced later
         if variances:
             # the fallback below may run after the record is freed
-            quantities.record = _snapshot(record)
+            # a private copy survives `record.free()` and is never counted
+            quantities.record = record.copy(extra={})
         psg = quantities._psg
         for name in direct:
             part = None if psg is None else psg[name]
@@ -1232,7 +1223,7 @@ class Engine:
     ) -> Any:
         # name the parameter by its module, not by a functional call's stand-in
         owner = next(
-            (c[0].module for c in calls if type(c[0].module).__name__ != "FunctionalLinear"),
+            (c[0].module for c in calls if not isinstance(c[0].module, FunctionalLinear)),
             calls[0][0].module,
         )
         label = f"parameter {name} of {describe(owner)}"

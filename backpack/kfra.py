@@ -23,6 +23,7 @@ from torch.autograd.graph import GradientEdge
 from backpack.recording import (
     Record,
     describe,
+    nearest_records,
     records_at,
     trainable_params,
     walk_nodes,
@@ -36,18 +37,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: largest per-sample feature dimension for which KFRA forms dense curvature matrices
 MAX_KFRA_DIM = 4096
-
-
-def _nearest_records(edge: GradientEdge) -> list[tuple[Record, int, GradientEdge]]:
-    """The recorded module outputs first met walking backward from `edge`."""
-    found, stack = [], [edge.node]
-    for node in walk_nodes(stack):
-        tags = records_at(node)
-        if tags:
-            found.extend((r, i, GradientEdge(node, nr)) for r, i, nr in tags)
-            continue
-        stack.extend(n for n, _ in node.next_functions if n is not None)
-    return found
 
 
 def _same_edge(a: GradientEdge, b: GradientEdge) -> bool:
@@ -143,7 +132,7 @@ def _plan(engine: Engine, loss_record: Record) -> list[tuple]:
     _check_dim(shape, f"input of {loss_record.module.__class__.__name__}")
     steps: list[tuple] = []
     while edge is not None:
-        nearest = _nearest_records(edge)
+        nearest = nearest_records(edge)
         if not nearest:
             break
         if len({id(r) for r, _, _ in nearest}) > 1 or len(nearest[0][0].outputs) > 1:
@@ -186,7 +175,7 @@ def _plan(engine: Engine, loss_record: Record) -> list[tuple]:
                 "parameters (the graph branches). Use KFLR or KFAC for branching models."
             )
         in_edge = record.input_edges[0] if record.input_edges else None
-        if in_edge is None or not _nearest_records(in_edge):
+        if in_edge is None or not nearest_records(in_edge):
             break
         in_shape = tuple(record.args[0].shape[1:])
         _check_dim(in_shape, f"input of {name}")

@@ -177,15 +177,23 @@ class Record:
         if not any(_is_half(t) for t in (*self.args, *self.outputs)):
             return False
         stale = self.modified()
-        self.args = tuple(_promote(a) for a in self.args)
-        self.kwargs = {k: _promote(v) for k, v in self.kwargs.items()}
-        self.outputs = tuple(_promote(o) for o in self.outputs)
-        self.output_structure = _promote(self.output_structure)
+        self.args = tuple(promote_half(a) for a in self.args)
+        self.kwargs = {k: promote_half(v) for k, v in self.kwargs.items()}
+        self.outputs = tuple(promote_half(o) for o in self.outputs)
+        self.output_structure = promote_half(self.output_structure)
         # a stale input keeps failing `check_unmodified` (no version equals -1)
         self.versions = tuple(
             (-1 if stale else a._version) if isinstance(a, Tensor) else None for a in self.args
         )
         return True
+
+    def copy(self, **changes: Any) -> Record:
+        """A new record with the same references, except those in `changes` (slot names)."""
+        copy = Record.__new__(Record)
+        for slot in Record.__slots__:
+            if slot != "__weakref__":
+                setattr(copy, slot, changes[slot] if slot in changes else getattr(self, slot))
+        return copy
 
     def view(
         self,
@@ -195,17 +203,18 @@ class Record:
         output_structure: Any,
         extra: dict[str, Any],
     ) -> Record:
-        """The same call seen through other tensors (a moved or broadcast sample axis)."""
-        copy = Record.__new__(Record)
-        for slot in Record.__slots__:
-            if slot != "__weakref__":
-                setattr(copy, slot, getattr(self, slot))
-        copy.args, copy.kwargs = args, kwargs
-        copy.outputs, copy.output_structure = outputs, output_structure
-        # views share their bases' version counters: the original versions still apply
-        copy.extra = extra
-        copy.origin = self.origin or self
-        return copy
+        """The same call seen through other tensors (a moved or broadcast sample axis).
+
+        Views share their bases' version counters: the original versions still apply.
+        """
+        return self.copy(
+            args=args,
+            kwargs=kwargs,
+            outputs=outputs,
+            output_structure=output_structure,
+            extra=extra,
+            origin=self.origin or self,
+        )
 
     def check_unmodified(self, extension_name: str) -> None:
         """Raise if an input was modified in place after the module's forward."""
@@ -226,21 +235,16 @@ def _is_half(obj: Any) -> bool:
     return isinstance(obj, Tensor) and obj.dtype in _HALF
 
 
-def _promote(obj: Any) -> Any:
+def promote_half(obj: Any) -> Any:
     """`obj` with 16-bit floating tensors (also inside tuples and lists) as float32."""
     if isinstance(obj, Tensor):
         return obj.float() if obj.dtype in _HALF else obj
     if isinstance(obj, tuple):
-        items = [_promote(o) for o in obj]
+        items = [promote_half(o) for o in obj]
         return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
     if isinstance(obj, list):
-        return [_promote(o) for o in obj]
+        return [promote_half(o) for o in obj]
     return obj
-
-
-def promote_half(obj: Any) -> Any:
-    """Public form of `_promote` for the engine (gradients, factors)."""
-    return _promote(obj)
 
 
 def _remember(module: nn.Module, record: Record) -> None:
@@ -528,6 +532,27 @@ def walk_nodes(stack: list[Any]) -> Iterator[Any]:
             continue
         seen[id(node)] = node
         yield node
+
+
+def nearest_records(
+    edge: GradientEdge, through: Any = None
+) -> list[tuple[Record, int, GradientEdge]] | None:
+    """The recorded module outputs first met walking backward from `edge`: (record, index, edge).
+
+    With `through` (a set of node names), only nodes of those kinds may lie on the way;
+    None is returned when another node does.
+    """
+    found: list[tuple[Record, int, GradientEdge]] = []
+    stack = [edge.node]
+    for node in walk_nodes(stack):
+        tags = records_at(node)
+        if tags:
+            found.extend((r, i, GradientEdge(node, nr)) for r, i, nr in tags)
+            continue
+        if through is not None and node.name() not in through:
+            return None
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return found
 
 
 def records_at(node: Any, freed: bool = False) -> list[tuple[Record, int, int]]:

@@ -30,6 +30,7 @@ from backpack.recording import (
     Record,
     describe,
     get_param,
+    nearest_records,
     records_at,
     trainable_params,
     walk_nodes,
@@ -436,24 +437,6 @@ _INDEX_NODES = {
 } | {"ToCopyBackward0"}
 
 
-def _nearest_outputs(edge: GradientEdge) -> list[tuple[Record, int, GradientEdge]] | None:
-    """Recorded module outputs first met walking back from `edge` through index-only nodes.
-
-    None if a node on the way computes something (then rows cannot be mapped to samples).
-    """
-    found: list[tuple[Record, int, GradientEdge]] = []
-    stack = [edge.node]
-    for node in walk_nodes(stack):
-        tags = records_at(node)
-        if tags:
-            found.extend((r, i, GradientEdge(node, nr)) for r, i, nr in tags)
-            continue
-        if node.name() not in _INDEX_NODES:
-            return None
-        stack.extend(n for n, _ in node.next_functions if n is not None)
-    return found
-
-
 def _sample_axis(record: Record, index: int) -> int:
     rule = find_rule(record.module)
     if rule is None:
@@ -477,7 +460,7 @@ def rows_within_samples(
     rows = out.shape[0] if out.dim() > 0 else 1
     if rows <= 1 or not found:
         return None
-    nearest = _nearest_outputs(edge)
+    nearest = nearest_records(edge, through=_INDEX_NODES)
     if nearest is None:
         # computation between the modules and the loss: rows must be samples
         if rows not in {r.outputs[i].shape[_sample_axis(r, i)] for r, i, _ in found}:

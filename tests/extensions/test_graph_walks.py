@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from backpack import kfra, secondorder
+from backpack import recording, secondorder
 from backpack.rules.generic import transformable
 
 DEPTH = 40
@@ -43,10 +43,11 @@ def test_graph_records_visits_every_node_of_a_chain(monkeypatch):
     assert visited == list(range(DEPTH, -1, -1))
 
 
-def test_kfra_nearest_records_visits_every_node_of_a_chain(monkeypatch):
-    visited = _visits(monkeypatch, kfra)
+def test_nearest_records_visits_every_node_of_a_chain(monkeypatch):
+    """The walk KFRA (and the flattened-loss probe) use to find the nearest module outputs."""
+    visited = _visits(monkeypatch, recording)
     edge = torch.autograd.graph.GradientEdge(_FreshWrapperNode(DEPTH), 0)
-    assert kfra._nearest_records(edge) == []
+    assert recording.nearest_records(edge) == []
     assert visited == list(range(DEPTH, -1, -1))
 
 

@@ -155,3 +155,40 @@ ALL_PROBLEMS = _collect()
 def problems_with(tag: str) -> list[Problem]:
     """Problems tagged with `tag`."""
     return [p for p in ALL_PROBLEMS if tag in p.tags]
+
+
+FIRST_ORDER_QUANTITIES = ["grad_batch", "batch_l2", "sum_grad_squared", "variance", "batch_dot"]
+
+
+def check_first_order_without_fallback(problem: Problem, monkeypatch: Any) -> nn.Module:
+    """Every first-order extension at once, no torch.func fallback and no warning, checked
+    against brute force; returns the extended model (for further checks)."""
+    import warnings
+
+    from backpack import backpack, extend
+    from backpack.extensions import (
+        BatchDotGrad,
+        BatchGrad,
+        BatchL2Grad,
+        SumGradSquared,
+        Variance,
+    )
+    from backpack.rules.generic import FuncRule
+
+    def forbidden(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("torch.func fallback used")
+
+    monkeypatch.setattr(FuncRule, "per_sample_grads", forbidden)
+    model, x, lossfunc, y = problem.build()
+    reference = reference_per_sample_grads(model, x, lossfunc, y)
+    extend(model)
+    exts = [BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance(), BatchDotGrad()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with backpack(*exts):
+            lossfunc(model(x), y).backward()
+    for name, p in model.named_parameters():
+        for quantity in FIRST_ORDER_QUANTITIES:
+            expected = first_order_reference(reference[name], quantity)
+            torch.testing.assert_close(getattr(p, quantity), expected, msg=f"{name} {quantity}")
+    return model

@@ -18,6 +18,7 @@ import torch
 from problems import (
     ALL_PROBLEMS,
     DTYPE,
+    check_first_order_without_fallback,
     first_order_reference,
     per_sample_losses,
     reference_per_sample_grads,
@@ -34,20 +35,16 @@ from backpack.extensions import (
     KFLR,
     KFRA,
     BatchDiagGGNExact,
-    BatchDotGrad,
     BatchGrad,
     BatchL2Grad,
     DiagGGNExact,
     DiagHessian,
     SqrtGGNExact,
     SqrtGGNMC,
-    SumGradSquared,
-    Variance,
 )
 from backpack.recording import OWNS_CHILD_PARAMETERS, Record, trainable_params
 from backpack.rules import attention as attention_rules
 from backpack.rules import find_rule, generic
-from backpack.rules.generic import FuncRule
 from backpack.utils.kroneckers import kfacs_to_mat
 
 #: torch's notice that vmap loops over SDPA's CPU backward (references use torch.func)
@@ -435,23 +432,7 @@ FIRST_OK = [p for p in ATTENTION_FIRST if not _xfailed(p, "test_quantity_matches
 @pytest.mark.parametrize("problem", FIRST_OK, ids=[p.id for p in FIRST_OK])
 def test_no_generic_fallback_and_no_warning(problem, monkeypatch):
     """All first-order extensions at once: the rule serves every parameter, out_proj included."""
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("torch.func fallback used")
-
-    monkeypatch.setattr(FuncRule, "per_sample_grads", forbidden)
-    model, x, lossfunc, y = problem.build()
-    reference = reference_per_sample_grads(model, x, lossfunc, y)
-    extend(model)
-    exts = [BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance(), BatchDotGrad()]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with backpack(*exts):
-            lossfunc(model(x), y).backward()
-    for name, p in model.named_parameters():
-        for quantity in QUANTITIES:
-            expected = first_order_reference(reference[name], quantity)
-            torch.testing.assert_close(getattr(p, quantity), expected, msg=f"{name} {quantity}")
+    check_first_order_without_fallback(problem, monkeypatch)
 
 
 def _attention_params(model):

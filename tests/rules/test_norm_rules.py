@@ -12,7 +12,13 @@ import warnings
 
 import pytest
 import torch
-from problems import DTYPE, first_order_reference, problems_with, reference_per_sample_grads
+from problems import (
+    DTYPE,
+    check_first_order_without_fallback,
+    first_order_reference,
+    problems_with,
+    reference_per_sample_grads,
+)
 from second_order_reference import Curvature
 from torch import nn
 from torch.func import functional_call, jacrev
@@ -25,7 +31,6 @@ from backpack.extensions import (
     KFRA,
     PCHMP,
     BatchDiagHessian,
-    BatchDotGrad,
     BatchGrad,
     BatchL2Grad,
     DiagGGNExact,
@@ -37,7 +42,6 @@ from backpack.extensions import (
 from backpack.recording import Record
 from backpack.rules import find_rule
 from backpack.rules import norm as norm_rules
-from backpack.rules.generic import FuncRule
 from backpack.utils.kroneckers import kfacs_to_mat
 
 NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
@@ -184,26 +188,11 @@ def test_one_contraction_per_call_and_no_generic_fallback(problem, monkeypatch):
 
         monkeypatch.setattr(cls, "normalised", counting)
 
-    def forbidden(*args, **kwargs):
-        raise AssertionError("torch.func fallback used")
-
-    monkeypatch.setattr(FuncRule, "per_sample_grads", forbidden)
-    model, x, lossfunc, y = problem.build()
-    reference = reference_per_sample_grads(model, x, lossfunc, y)
-    extend(model)
-    exts = [BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance(), BatchDotGrad()]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with backpack(*exts):
-            lossfunc(model(x), y).backward()
+    model = check_first_order_without_fallback(problem, monkeypatch)
     layers = sum(
         isinstance(m, NORMS) and any(True for _ in m.parameters()) for m in model.modules()
     )
     assert len(calls) == len(set(calls)) == layers
-    for name, p in model.named_parameters():
-        for quantity in ["grad_batch", "batch_l2", "sum_grad_squared", "variance", "batch_dot"]:
-            expected = first_order_reference(reference[name], quantity)
-            torch.testing.assert_close(getattr(p, quantity), expected, msg=f"{name} {quantity}")
 
 
 def _norm_params(model):
