@@ -389,6 +389,15 @@ class SampleLayout:
         self.walk(batch_size)
         return sum(len(self._by_module.get(id(m), ())) for m in owners)
 
+    def cross_terms(self, param: Tensor, batch_size: Any) -> bool:
+        """Whether two calls of this pass that use `param` hold the same samples."""
+        if self.uses(param, batch_size) <= 1:
+            return False
+        groups = [
+            self.group_of(r) for m in param_owners(param) for r in self._by_module.get(id(m), ())
+        ]
+        return None in groups or len(set(groups)) < len(groups)
+
     def module_uses(self, module: nn.Module, batch_size: Any) -> int:
         """The largest number of calls of this pass using one of `module`'s parameters."""
         params = trainable_params(module).values()
