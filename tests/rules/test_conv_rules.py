@@ -346,15 +346,18 @@ def test_input_gram_by_correlation_equals_unfolded_gram(
 def test_kfac_on_a_large_grid_takes_the_correlation_path_with_the_same_numbers(monkeypatch):
     torch.manual_seed(8)
     conv = nn.Conv2d(16, 4, 3, padding=1).to(torch.float64)
-    linear = nn.Linear(4 * 24 * 24, 3).to(torch.float64)
-    x = torch.randn(2, 16, 24, 24, dtype=torch.float64)
-    assert convnd.correlation_applies(conv, x, (24, 24))
-    assert not convnd.correlation_applies(nn.Conv2d(16, 4, 3, stride=2), x, (11, 11))
+    linear = nn.Linear(4 * 32 * 32, 3).to(torch.float64)
+    x = torch.randn(16, 16, 32, 32, dtype=torch.float64)
+    assert convnd.correlation_applies(conv, x, (32, 32))
+    assert not convnd.correlation_applies(nn.Conv2d(16, 4, 3, stride=2), x, (16, 16))
     assert not convnd.correlation_applies(conv, x[:, :, :8, :8], (8, 8))  # small grid
+    assert not convnd.correlation_applies(conv, x[:4], (32, 32))  # little work
+    assert not convnd.correlation_applies(conv, x[:, :, :16, :16], (16, 16))
+    assert convnd.correlation_applies(conv, torch.cat([x] * 8)[:, :, :16, :16], (16, 16))
 
     def kfac_factors():
         model = extend(nn.Sequential(conv, nn.Flatten(), linear))
-        loss = extend(nn.MSELoss())(model(x), torch.zeros(2, 3, dtype=torch.float64))
+        loss = extend(nn.MSELoss())(model(x), torch.zeros(16, 3, dtype=torch.float64))
         with backpack(KFLR()):
             loss.backward()
         return conv.weight.kflr

@@ -487,10 +487,15 @@ def prefer_fold(module: nn.Module, x: Tensor, out_grid: Sequence[int]) -> bool:
 
 # --- the input Kronecker factor from channel correlations -----------------------------------
 #: grids (output positions) and unfolded rows from which `input_gram_by_correlation` is used
-#: (measured on CPU: 1.5-1.9x faster than the unfolded Gram on 32x32 grids, up to 1.4x on 16x16,
-#: slower on 8x8)
 _CORRELATION_MIN_POSITIONS = 256
 _CORRELATION_MIN_ROWS = 128
+#: ... and the work (samples x positions from 32x32 grids on, times channels on smaller grids)
+#: from which it pays:
+#: the border corrections cost a fixed number of thin products per call. Measured on CPU
+#: (2 threads, 3x3 kernels, C = 16-64, N = 16-64): 0.5-0.75x the unfolded Gram's time above
+#: these sizes, up to 1.5x (16x16, C = 32, N = 16) or 3x (12x12) below them
+_CORRELATION_MIN_SAMPLE_POSITIONS = 2**14
+_CORRELATION_MIN_WORK = 2**19
 
 
 def _correlations(
@@ -522,6 +527,33 @@ def _correlations(
     )[1]
 
 
+def _full_correlations(x: Tensor, kernel: Sequence[int], dilation: Sequence[int]) -> Tensor:
+    """`_correlations` over the whole input, from its half with nonnegative row offsets.
+
+    Over the whole (zero-padded) input, the correlation at offset -δ is the one at δ with the
+    two channels swapped, so one conv weight backward with a `[K, 2K - 1]` kernel (rows shifted
+    downwards only) gives all `(2K - 1)²` offsets: (2K - 1)K instead of (2K - 1)² products.
+    """
+    (kh, kw), (dh, dw) = kernel, dilation
+    ph, pw = (kh - 1) * dh, (kw - 1) * dw
+    c = x.shape[1]
+    half = torch.ops.aten.convolution_backward(
+        x,
+        F.pad(x, [pw, pw, 0, ph]),
+        x.new_empty(c, c, kh, 2 * kw - 1),
+        None,
+        [1, 1],
+        [0, 0],
+        [dh, dw],
+        False,
+        [0, 0],
+        1,
+        [False, True, False],
+    )[1]  # [C, C, Kh, 2Kw - 1]: row offsets 0, dh, ..., (Kh - 1) dh
+    upper = half[:, :, 1:].flip(2, 3).transpose(0, 1)  # row offsets -(Kh - 1) dh, ..., -dh
+    return torch.cat([upper, half], 2)
+
+
 def _kernel_windows(module: nn.Module, x: Tensor, out_size: Sequence[int]) -> list[list]:
     """Per spatial axis, the input interval each kernel offset reads (clipped to the input)."""
     windows = []
@@ -544,7 +576,14 @@ def correlation_applies(module: nn.Module, x: Tensor, out_size: Sequence[int]) -
     ):
         return False
     rows = x.shape[1] * math.prod(module.kernel_size)
-    if math.prod(out_size) < _CORRELATION_MIN_POSITIONS or rows < _CORRELATION_MIN_ROWS:
+    positions = math.prod(out_size)
+    if positions < _CORRELATION_MIN_POSITIONS or rows < _CORRELATION_MIN_ROWS:
+        return False
+    work = x.shape[0] * positions
+    if positions >= 4 * _CORRELATION_MIN_POSITIONS:
+        if work < _CORRELATION_MIN_SAMPLE_POSITIONS:
+            return False
+    elif work * x.shape[1] < _CORRELATION_MIN_WORK:
         return False
     # each input row/column some offset never reads costs one more (thin) correlation
     excluded = 0
@@ -561,14 +600,15 @@ def input_gram_by_correlation(module: nn.Module, x: Tensor, out_size: Sequence[i
     offset k reads. The sums over the whole input for all offsets are one correlation (a conv
     weight gradient); the positions offset k does not read (a few border rows and columns) are
     subtracted, their intersections added back. Same numbers as the unfolded `U Uᵀ`, with
-    (2K - 1)² instead of K² (K + 1) / 2 products per channel pair and position.
+    (2K - 1) K (`_full_correlations`) instead of K² (K + 1) / 2 products per channel pair and
+    position.
     """
     c, h, w = x.shape[1:]
     (kh, kw), dilation = module.kernel_size, module.dilation
     row_windows, col_windows = _kernel_windows(module, x, out_size)
     ph, pw = (kh - 1) * dilation[0], (kw - 1) * dilation[1]
     padded = F.pad(x, [pw, pw, ph, ph])
-    full = _correlations(x, padded, (kh, kw), dilation, (0, h), (0, w))
+    full = _full_correlations(x, (kh, kw), dilation)
     cache: dict[tuple, Tensor] = {}
 
     def part(rows: tuple[int, int], cols: tuple[int, int]) -> Tensor:
