@@ -132,6 +132,16 @@ class _Quantities:
             return fused
         return {k: v.sum(0) for k, v in self.psg().items()}
 
+    def fuse_sums(self) -> bool:
+        """Compute `grad_sum` and `sum_grad_squared` in one fused pass if the rule can."""
+        if self.rule is None or self._psg is not None:
+            return False
+        fused = self.rule.grad_sum_and_squares(self.record, self.grads, self.names)
+        if fused is None:
+            return False
+        self._cache["grad_sum"], self._cache["sum_grad_squared"] = fused
+        return True
+
     def _variance(self, _: Any) -> dict[str, Tensor]:
         sgs, gsum = self.get("sum_grad_squared"), self.get("grad_sum")
         return {k: _variance_from_sums(sgs[k], gsum[k], self.n) for k in sgs}
@@ -950,6 +960,9 @@ class Engine:
         n = rule.batch_size(record) if placement is None else placement[1]
         quantities = _Quantities(rule, record, grads, direct, n)
         variances = [e for e in builtin if e.quantity == "variance"]
+        # the rule's own gradient sum (from the chunks it squares anyway) spares the variance
+        # waiting for autograd's, and that wait's coverage check on every pass
+        own_sums = bool(variances) and quantities.fuse_sums()
         for ext in builtin:
             if ext.quantity == "variance":
                 continue
@@ -978,9 +991,12 @@ class Engine:
             # a private copy survives `record.free()` and is never counted
             quantities.record = record.copy(extra={})
         psg = quantities._psg
+        sums = quantities.get("grad_sum") if own_sums else {}
         for name in direct:
             part = None if psg is None else psg[name]
-            wait = bool(variances) and variance_waits_for_grad(params[name])
+            if part is None and name in sums:
+                part = sums[name].unsqueeze(0)  # the probes read it like one sample's gradient
+            wait = bool(variances) and not own_sums and variance_waits_for_grad(params[name])
             wait = wait and self.sync is None  # distributed: the sums are reduced later
             coverage = self._cover(record, grads, rule, name, params[name], part, wait)
             for ext in variances:

@@ -68,6 +68,16 @@ class ModuleRule:
         """Fused sum over samples of squared per-sample gradients, or None."""
         return None
 
+    def grad_sum_and_squares(
+        self, record: Record, grad_outputs: GradOutputs, names: Names
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor]] | None:
+        """Fused (Σ_n g_n, Σ_n g_n²) in one pass over the per-sample gradients, or None.
+
+        Worth it where per-sample gradients are formed anyway for the squares and the sum would
+        otherwise cost a separate weight backward (convolutions).
+        """
+        return None
+
     def batch_dot(self, record: Record, grad_outputs: GradOutputs, names: Names) -> Any:
         """Fused `[N, N]` Gram matrix of per-sample gradients, or None."""
         return None

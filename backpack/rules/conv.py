@@ -159,6 +159,29 @@ class ConvRule(ModuleRule):
         """
         return self.diag_from_factor(record, (grad_outputs[0].unsqueeze(0),), names, None, False)
 
+    def grad_sum_and_squares(
+        self, record: Record, grad_outputs: GradOutputs, names: Names
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """(Σ_n g_n, Σ_n g_n²) from the same chunks of per-sample gradients (summed, then squared).
+
+        `Variance` then needs neither a weight backward for the sum nor autograd's gradient.
+        """
+        module = record.module
+        x, f = _input_and_factor(record, (grad_outputs[0].unsqueeze(0),))
+        sums, squares = {}, {}
+        if "weight" in names:
+            shape = module.weight.shape
+            total = f.new_zeros(shape)
+            square_total = f.new_zeros(shape)
+            for _, _, pairs in _pair_grads(module, x, f):
+                total += pairs.sum((0, 1)).reshape(shape)
+                square_total += pairs.square_().sum((0, 1)).reshape(shape)
+            sums["weight"], squares["weight"] = total, square_total
+        if "bias" in names:
+            per_sample = convnd.per_sample_bias_grads(f[0])
+            sums["bias"], squares["bias"] = per_sample.sum(0), per_sample.square().sum(0)
+        return sums, squares
+
     def batch_dot(self, record: Record, grad_outputs: GradOutputs, names: Names) -> dict | None:
         """Gram matrix of per-sample gradients; ghost form for the weight on tiny outputs."""
         module = record.module
