@@ -859,8 +859,8 @@ class Engine:
     def _after_module(self, module: nn.Module, record: Record) -> None:
         self._deferred_hooks.pop(module, None)
         if self.extension_hook is not None:
-            module.input0 = record.args[0] if record.args else None
-            module.output = record.output_structure
+            module.input0 = record.input_values()
+            module.output = record.output_values()
             try:
                 self.extension_hook(module)
             finally:
@@ -1446,8 +1446,8 @@ class Engine:
         self, user_ext: Any, ext: BackpropExtension, record: Record, grads: tuple
     ) -> None:
         module = record.module
-        module.input0 = record.args[0] if record.args else None
-        module.output = record.output_structure
+        module.input0 = record.input_values()
+        module.output = record.output_values()
         try:
             with torch.no_grad():
                 user_ext.apply(ext, module, tuple(None for _ in record.args), grads)

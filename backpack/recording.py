@@ -9,6 +9,7 @@ weak references, which the engine uses to count how often a module was used in a
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import weakref
 from collections.abc import Iterator
@@ -39,6 +40,24 @@ LOSS_CLASSES: set[type] = {nn.modules.loss._Loss}
 _LOSS_RECORDS: weakref.WeakSet[Record] = weakref.WeakSet()
 #: records of parametrized calls whose output may hold no sample axis (see `sample_free`)
 _SAMPLE_FREE: weakref.WeakSet[Record] = weakref.WeakSet()
+
+
+#: module classes whose rules and the engine read only the shape, dtype and device of the
+#: output: their records keep a one-element NaN stand-in (`_shape_only`), not the values. The
+#: output of a Conv or Linear layer is the pre-activation of the next layer, which autograd
+#: does not save; holding it for the whole forward and backward (as the original's hooks do)
+#: made CPU steps 10-25% slower (the allocator then hands out fresh memory). User extensions
+#: that read `module.output` get it recomputed (`Record.output_values`).
+SHAPE_ONLY_OUTPUTS: set[type] = set()
+#: activations f with f(f(x)) = f(x) and the same derivative at f(x) as at x (ReLU, clamps):
+#: their records keep the output, which autograd saves anyway, in place of the input
+IDEMPOTENT_ACTIVATIONS: set[type] = set()
+
+
+def _shape_only(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """A tensor with `t`'s shape, dtype and device holding one NaN (any value read shows)."""
+    nan = torch.full((), math.nan, dtype=dtype or t.dtype, device=t.device)
+    return nan.expand(t.shape)
 
 
 #: class -> is it a loss class (cleared when a loss class is added)
@@ -84,6 +103,8 @@ class Record:
         "recomputed",
         "origin",
         "_half_checked",
+        "shape_only",
+        "input_producer",
         "__weakref__",
     )
 
@@ -124,6 +145,11 @@ class Record:
         #: for a view of another record (rules see a reshaped call): that record
         self.origin: Record | None = None
         self._half_checked = False
+        #: the outputs are `_shape_only` stand-ins (see `SHAPE_ONLY_OUTPUTS`)
+        self.shape_only = False
+        #: for an idempotent activation keeping its output as input: the shape-only record
+        #: whose output the true input was (`input_values` recomputes it from there)
+        self.input_producer: Record | None = None
 
     @property
     def input0(self) -> Tensor:
@@ -134,6 +160,21 @@ class Record:
     def output(self) -> Any:
         """The call's output (a tensor, or the module's tuple structure of tensors)."""
         return self.output_structure
+
+    def input_values(self) -> Any:
+        """The first positional input with its true values (what `module.input0` shows)."""
+        if self.input_producer is not None and not self.freed:
+            return self.input_producer.output_values()
+        return self.args[0] if self.args else None
+
+    def output_values(self) -> Any:
+        """The output with its values (recomputed from the inputs for shape-only records)."""
+        if not self.shape_only or self.freed:
+            return self.output_structure
+        from backpack.context import CTX
+
+        with torch.no_grad(), CTX.internal():
+            return self.module(*self.args, **self.kwargs)
 
     @property
     def input_edges(self) -> tuple[Any, ...]:
@@ -179,8 +220,12 @@ class Record:
         stale = self.modified()
         self.args = tuple(promote_half(a) for a in self.args)
         self.kwargs = {k: promote_half(v) for k, v in self.kwargs.items()}
-        self.outputs = tuple(promote_half(o) for o in self.outputs)
-        self.output_structure = promote_half(self.output_structure)
+        if self.shape_only:
+            self.outputs = tuple(_shape_only(o, torch.float32) for o in self.outputs)
+            self.output_structure = self.outputs[0]
+        else:
+            self.outputs = tuple(promote_half(o) for o in self.outputs)
+            self.output_structure = promote_half(self.output_structure)
         # a stale input keeps failing `check_unmodified` (no version equals -1)
         self.versions = tuple(
             (-1 if stale else a._version) if isinstance(a, Tensor) else None for a in self.args
@@ -391,6 +436,18 @@ def _keep(a: Any, out_tensors: list[Tensor]) -> Any:
     return _detach(a)
 
 
+def _shape_only_producer(x: Any) -> Record | None:
+    """The shape-only record whose output `x` is (None if there is none)."""
+    node = getattr(x, "grad_fn", None) if isinstance(x, Tensor) else None
+    entries = None if node is None else node.metadata.get(_META_KEY)
+    if not entries:
+        return None
+    for record, _, output_nr in entries:
+        if record.shape_only and output_nr == x.output_nr and not record.freed:
+            return record
+    return None
+
+
 @torch.compiler.disable
 def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     """Record the call for the next backward (only when it can be differentiated)."""
@@ -411,10 +468,21 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
     if disabled:
         record = Record(module, (), {}, (), None, disabled=True)
     else:
+        shape_only = False
+        kept_args = args
         if isinstance(output, Tensor):
-            structure = output.detach()
+            cls = type(module)
+            shape_only = cls in SHAPE_ONLY_OUTPUTS and not any(a is output for a in args)
+            structure = _shape_only(output) if shape_only else output.detach()
             outs: tuple[Tensor, ...] = (structure,)
+            producer = _shape_only_producer(args[0]) if cls in IDEMPOTENT_ACTIVATIONS else None
+            if producer is not None and len(args) == 1 and args[0] is not output:
+                # f(output) = output and f' agrees at both points: the output (saved by autograd
+                # anyway) serves every rule, and the input is the producer's to recompute, so the
+                # pre-activation can be freed after the forward as without backpack
+                kept_args = (output,)  # kept detached below, as an input aliasing an output is
         else:
+            producer = None
             structure, outs = _detach(output), tuple(t.detach() for t in out_tensors)
         # Inputs are kept as they are (they belong to the graph upstream of this call anyway):
         # with backward(create_graph=True) the quantities stay differentiable w.r.t. them. An
@@ -422,7 +490,7 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
         # would otherwise hold itself.
         record = Record(
             module,
-            tuple([_keep(a, out_tensors) for a in args]),
+            tuple([_keep(a, out_tensors) for a in kept_args]),
             {k: _keep(v, out_tensors) for k, v in kwargs.items()} if kwargs else {},
             outs,
             structure,
@@ -442,6 +510,8 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
                 edges.append(a if node is None else GradientEdge(node, a.output_nr))
         record.input_edges = tuple(edges)
         record.inplace = inplace
+        record.shape_only = shape_only
+        record.input_producer = producer
         if inplace and not module._parameters and len(out_tensors) == 1:
             # the output is the input itself: an identity (its node is the producer's, which
             # already carries records) or an in-place operation (a node of its own)

@@ -22,7 +22,7 @@ from backpack.custom_module.permute import Permute
 from backpack.custom_module.reduce_tuple import ReduceTuple
 from backpack.custom_module.scale_module import ScaleModule
 from backpack.custom_module.slicing import Slicing
-from backpack.recording import Record
+from backpack.recording import IDEMPOTENT_ACTIVATIONS, Record
 
 
 class ActivationRule:
@@ -183,6 +183,8 @@ _CURVATURE_FREE: tuple[type[nn.Module], ...] = (
     ReduceTuple,
 )
 _EXTRA_CURVATURE_FREE: list[type[nn.Module]] = []
+#: clamps: f(f(x)) = f(x) with the same derivative (see `IDEMPOTENT_ACTIVATIONS`)
+IDEMPOTENT_ACTIVATIONS.update({nn.ReLU, nn.ReLU6, nn.Hardtanh})
 
 
 def register_curvature_free(*module_classes: type[nn.Module]) -> None:

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from backpack.core.derivatives import convnd
-from backpack.recording import Record
+from backpack.recording import SHAPE_ONLY_OUTPUTS, Record
 from backpack.rules.base import GradOutputs, ModuleRule, Names, register_rule
 
 #: elements a chunk of samples may occupy in one intermediate (Gram matrices, gradients)
@@ -93,6 +93,10 @@ def _factor_sizes(module: nn.Module, x: Tensor, g: Tensor) -> tuple[int, int, in
 def _gram(t: Tensor) -> Tensor:
     """`[N, G, L, L]` Gram matrices over the feature axis of factors `[N, G, f, L]`."""
     return torch.matmul(t.transpose(-1, -2), t)
+
+
+# the rule reads its outputs' shapes only (see `SHAPE_ONLY_OUTPUTS`)
+SHAPE_ONLY_OUTPUTS.update(_CONV_CLASSES)
 
 
 @register_rule(*_CONV_CLASSES)

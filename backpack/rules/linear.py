@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from backpack.recording import Record
+from backpack.recording import SHAPE_ONLY_OUTPUTS, Record
 from backpack.rules.base import GradOutputs, ModuleRule, Names, register_rule
 
 
@@ -29,6 +29,10 @@ def _flat(record: Record, grad_outputs: GradOutputs) -> tuple[Tensor, Tensor]:
     x, g = record.args[0], grad_outputs[0]
     n = x.shape[0]
     return x.reshape(n, -1, x.shape[-1]), g.reshape(n, -1, g.shape[-1])
+
+
+# the rule reads its outputs' shapes only (see `SHAPE_ONLY_OUTPUTS`)
+SHAPE_ONLY_OUTPUTS.add(nn.Linear)
 
 
 @register_rule(nn.Linear)
