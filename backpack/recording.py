@@ -54,9 +54,18 @@ SHAPE_ONLY_OUTPUTS: set[type] = set()
 IDEMPOTENT_ACTIVATIONS: set[type] = set()
 
 
+#: outputs smaller than this are kept as they are (holding them costs nothing measurable, and
+#: a stand-in costs as much as a view)
+SHAPE_ONLY_MIN_ELEMENTS = 2**16
+_NAN: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+
 def _shape_only(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """A tensor with `t`'s shape, dtype and device holding one NaN (any value read shows)."""
-    nan = torch.full((), math.nan, dtype=dtype or t.dtype, device=t.device)
+    key = (dtype or t.dtype, t.device)
+    nan = _NAN.get(key)
+    if nan is None:
+        nan = _NAN[key] = torch.full((), math.nan, dtype=key[0], device=t.device)
     return nan.expand(t.shape)
 
 
@@ -472,7 +481,11 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
         kept_args = args
         if isinstance(output, Tensor):
             cls = type(module)
-            shape_only = cls in SHAPE_ONLY_OUTPUTS and not any(a is output for a in args)
+            shape_only = (
+                cls in SHAPE_ONLY_OUTPUTS
+                and output.numel() >= SHAPE_ONLY_MIN_ELEMENTS
+                and not any(a is output for a in args)
+            )
             structure = _shape_only(output) if shape_only else output.detach()
             outs: tuple[Tensor, ...] = (structure,)
             producer = _shape_only_producer(args[0]) if cls in IDEMPOTENT_ACTIVATIONS else None

@@ -10,12 +10,18 @@ import pytest
 import torch
 from torch import nn
 
-from backpack import backpack, extend
+from backpack import backpack, extend, recording
 from backpack.extensions import KFAC, BatchGrad, DiagGGNExact, DiagHessian
 from backpack.extensions.firstorder.base import FirstOrderModuleExtension
 from backpack.recording import records_at, walk_nodes
 
 DTYPE = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _stand_ins_for_small_outputs(monkeypatch):
+    """The problems here are tiny: stand-ins for every output size."""
+    monkeypatch.setattr(recording, "SHAPE_ONLY_MIN_ELEMENTS", 0)
 
 
 def cnn(activation=nn.ReLU):
@@ -176,3 +182,13 @@ def test_second_order_unchanged_by_relu_stand_ins(ext_cls):
                 torch.testing.assert_close(fa, fb)
         else:
             torch.testing.assert_close(a, b)
+
+
+def test_small_outputs_are_kept(monkeypatch):
+    monkeypatch.setattr(recording, "SHAPE_ONLY_MIN_ELEMENTS", 49)
+    model = extend(cnn())
+    out = model(torch.randn(4, 2, 4, 4, dtype=DTYPE))
+    by_module = {id(r.module): r for r in reachable_records(out)}
+    assert by_module[id(model[0])].shape_only  # [4, 3, 4, 4]: 192 elements
+    assert not by_module[id(model[4])].shape_only  # [4, 5]: 20 elements
+    assert not torch.isnan(by_module[id(model[4])].outputs[0]).any()
