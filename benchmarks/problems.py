@@ -43,11 +43,14 @@ class BenchProblem:
         name: Column name in the result table.
         description: One line: architecture, loss, batch size.
         make: `make(tiny) -> (model, inputs, targets, loss function)`, all deterministic.
+        gpu_size: A problem at realistic GPU sizes, left out of CPU runs unless named.
     """
 
     name: str
     description: str
     make: Callable[[bool], tuple[nn.Module, Tensor, Tensor, nn.Module]]
+    #: realistic GPU sizes: run by default only with `--device cuda` (minutes per row on a CPU)
+    gpu_size: bool = False
 
 
 def _data(n: int, shape: tuple[int, ...], classes: int, seed: int) -> tuple[Tensor, Tensor]:
@@ -309,6 +312,75 @@ def _gpt(tiny: bool) -> tuple[nn.Module, Tensor, Tensor, nn.Module]:
     return model, x, y, nn.CrossEntropyLoss()
 
 
+# --- realistic GPU sizes ---------------------------------------------------------------------------
+class BasicBlock(nn.Module):
+    """ResNet basic block: two 3x3 convolutions with BatchNorm, identity or 1x1 shortcut."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.relu1 = nn.ReLU()
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.relu2 = nn.ReLU()
+        self.shortcut = nn.Sequential()
+        if stride != 1 or c_in != c_out:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out)
+            )
+
+    def forward(self, x: Tensor) -> Tensor:
+        """conv-bn-relu-conv-bn + shortcut, relu."""
+        h = self.relu1(self.bn1(self.conv1(x)))
+        return self.relu2(self.bn2(self.conv2(h)) + self.shortcut(x))
+
+
+class ResNet18(nn.Module):
+    """ResNet-18 for 32x32 inputs (3x3 stem, no max-pool; widths 64-512 or scaled down)."""
+
+    def __init__(self, width: int = 64, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU()
+        )
+        layers, c = [], width
+        for i, stride in enumerate((1, 2, 2, 2)):
+            c_out = width * 2**i
+            layers += [BasicBlock(c, c_out, stride), BasicBlock(c_out, c_out, 1)]
+            c = c_out
+        self.layers = nn.Sequential(*layers)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.flatten = nn.Flatten()
+        self.fc = nn.Linear(c, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Stem, four stages of two blocks, global average pooling, classifier."""
+        return self.fc(self.flatten(self.pool(self.layers(self.stem(x)))))
+
+
+def _resnet18(tiny: bool) -> tuple[nn.Module, Tensor, Tensor, nn.Module]:
+    """ResNet-18 on 3x32x32, N=128; BatchNorm in eval mode (per-sample quantities defined)."""
+    torch.manual_seed(0)
+    width, size, n = (4, 8, 3) if tiny else (64, 32, 128)
+    model = ResNet18(width).eval()
+    x, y = _data(n, (3, size, size), 10, 0)
+    return model, x, y, nn.CrossEntropyLoss()
+
+
+def _gpt_long(tiny: bool) -> tuple[nn.Module, Tensor, Tensor, nn.Module]:
+    """The `gpt` problem at context 256 and N=32."""
+    torch.manual_seed(0)
+    sizes = (11, 6, 8, 2, 1, 3) if tiny else (512, 256, 128, 4, 4, 32)
+    vocab, context, dim, heads, blocks, n = sizes
+    model = GPT(vocab, context, dim, heads, blocks)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (n, context + 1), generator=gen, device="cpu")
+    device = torch.get_default_device()
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    return model, x.to(device), y.to(device), nn.CrossEntropyLoss()
+
+
 PROBLEMS: dict[str, BenchProblem] = {
     p.name: p
     for p in [
@@ -337,6 +409,18 @@ PROBLEMS: dict[str, BenchProblem] = {
             "GPT: 4 pre-norm blocks (d=128, 4 heads, MLP 512), context 64, vocab 512, learned "
             "positions, tied head; token CE on [N, 512, 64] logits; N=16",
             _gpt,
+        ),
+        BenchProblem(
+            "resnet18",
+            "ResNet-18 (3x3 stem, BatchNorm in eval mode) on 3x32x32; CE; N=128 (GPU size)",
+            _resnet18,
+            gpu_size=True,
+        ),
+        BenchProblem(
+            "gpt_long",
+            "the gpt problem at context 256 and N=32 (GPU size)",
+            _gpt_long,
+            gpu_size=True,
         ),
     ]
 }

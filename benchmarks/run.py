@@ -774,7 +774,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=list(P.PROBLEMS),
         default=None,
         metavar="PROBLEM",
-        help=f"problems to run, of {', '.join(P.PROBLEMS)} (default: all)",
+        help=f"problems to run, of {', '.join(P.PROBLEMS)} (default: all; the GPU-size "
+        "problems resnet18 and gpt_long only with --device cuda)",
     )
     parser.add_argument(
         "--extensions",
@@ -934,7 +935,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(args.worker_out).write_text(json.dumps(result))
         return 0
 
-    names = args.problems or list(P.PROBLEMS)
+    names = args.problems or [
+        name for name, p in P.PROBLEMS.items() if not p.gpu_size or args.device == "cuda"
+    ]
     cfg = config_from_args(args)
     start = time.time()
     end = start + args.time_limit

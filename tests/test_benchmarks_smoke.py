@@ -54,11 +54,20 @@ def test_problems_build_deterministically():
             torch.testing.assert_close(p1, p2, rtol=0, atol=0)
         with torch.no_grad():
             out = m1(x1)
-        if name == "gpt":  # next-token logits [N, vocab, T] for targets [N, T]
+        if name.startswith("gpt"):  # next-token logits [N, vocab, T] for targets [N, T]
             assert out.shape == (x1.shape[0], m1.tok.num_embeddings, x1.shape[1])
             assert y1.shape == x1.shape
         else:
             assert out.shape == (x1.shape[0], 10)
+
+
+def test_gpu_size_problems_only_named_or_on_cuda():
+    gpu = [name for name, p in P.PROBLEMS.items() if p.gpu_size]
+    assert sorted(gpu) == ["gpt_long", "resnet18"]
+    model, x, y, _ = P.build("resnet18", tiny=True)
+    assert not model.training  # BatchNorm in eval mode: per-sample quantities are defined
+    convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert len(convs) == 1 + 16 + 3  # stem, 8 blocks of 2, 3 projection shortcuts
 
 
 def test_full_size_shapes_of_3c3d():
