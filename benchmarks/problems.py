@@ -312,7 +312,7 @@ def _gpt(tiny: bool) -> tuple[nn.Module, Tensor, Tensor, nn.Module]:
     return model, x, y, nn.CrossEntropyLoss()
 
 
-# --- realistic GPU sizes ---------------------------------------------------------------------------
+# --- realistic GPU sizes ------------------------------------------------------------------------
 class BasicBlock(nn.Module):
     """ResNet basic block: two 3x3 convolutions with BatchNorm, identity or 1x1 shortcut."""
 
