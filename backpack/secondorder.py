@@ -344,6 +344,7 @@ def on_loss_backward(engine: Engine, record: Record, grads: tuple[Tensor | None,
         factors = []
         for key in keys:
             if key[0] == "exact":
+                _check_exact_size(record, [e for e in exts if e.factor_key == key])
                 # square roots keep one column per output entry (their documented shape);
                 # everything else sums over columns and takes the cheapest factor
                 wants_sqrt = any(e.output == "sqrt" and e.factor_key == key for e in exts)
@@ -384,6 +385,35 @@ def on_loss_backward(engine: Engine, record: Record, grads: tuple[Tensor | None,
                 f"{describe(module)} gets a flattened output. Use KFLR or KFAC."
             )
         start_kfra(engine, record, lambda: rule.sum_hessian(record) * scale_value)
+
+
+#: largest exact loss-Hessian factor (columns x output entries) built before refusing
+EXACT_FACTOR_MAX_ELEMENTS = 2**31
+
+
+def _check_exact_size(record: Record, exts: list[SecondOrderBackpropExtension]) -> None:
+    """Refuse an exact factor that could not be held (one column per output entry of a sample).
+
+    A token loss on `[N, V, T]` logits has V·T columns of N·V·T entries each: 64 GiB for a small
+    GPT. Better a clear message than an allocation failure deep inside the backward.
+    """
+    out = record.args[0] if record.args else None
+    if not isinstance(out, Tensor) or out.dim() == 0 or out.shape[0] == 0:
+        return
+    per_sample = out[0].numel()
+    elements = per_sample * out.numel()
+    if elements <= EXACT_FACTOR_MAX_ELEMENTS:
+        return
+    names = ", ".join(sorted({e.__class__.__name__ for e in exts}))
+    size = elements * max(out.element_size(), 4) / 2**30
+    raise NotImplementedError(
+        f"{names} need{'s' if len(exts) == 1 else ''} the exact Hessian factor of "
+        f"{describe(record.module)} w.r.t. its input {list(out.shape)}: about {per_sample} "
+        f"columns of {out.numel()} entries ({size:.0f} GiB) to backpropagate. Use the "
+        "Monte-Carlo versions (DiagGGNMC, BatchDiagGGNMC, SqrtGGNMC, KFAC), fewer output "
+        "entries per sample, or raise backpack.secondorder.EXACT_FACTOR_MAX_ELEMENTS "
+        f"(now {EXACT_FACTOR_MAX_ELEMENTS})."
+    )
 
 
 def _store_factors(

@@ -230,3 +230,20 @@ def test_parameter_used_twice_on_the_same_samples_keeps_factors(spy):
     for name, p in model.named_parameters():
         close(p.diag_ggn_exact, ref.diag(ref.ggn, name), name)
         close(p.diag_ggn_exact_batch, ref.diag(ref.ggn_per_sample, name), name)
+
+
+def test_too_large_exact_factor_is_refused_clearly(monkeypatch):
+    """Token losses on [N, V, T] logits need V·T columns: refused before allocating."""
+    monkeypatch.setattr(secondorder, "EXACT_FACTOR_MAX_ELEMENTS", 1000)
+    model = extend(nn.Conv1d(3, 6, 1).to(DTYPE))  # [N, 6 classes, 8 positions]
+    lossfunc = extend(nn.CrossEntropyLoss())
+    x, y = torch.randn(4, 3, 8, dtype=DTYPE), torch.randint(0, 6, (4, 8))
+    loss = lossfunc(model(x), y)  # 48 columns x 192 entries > 1000
+    with pytest.raises(NotImplementedError, match=r"DiagGGNExact needs the exact Hessian.*48"):
+        with backpack(DiagGGNExact()):
+            loss.backward()
+    # the Monte-Carlo version runs
+    model.zero_grad()
+    with backpack(DiagGGNMC()):
+        lossfunc(model(x), y).backward()
+    assert model.weight.diag_ggn_mc.shape == model.weight.shape
