@@ -172,8 +172,16 @@ class Record:
 
     def input_values(self) -> Any:
         """The first positional input with its true values (what `module.input0` shows)."""
-        if self.input_producer is not None and not self.freed:
-            return self.input_producer.output_values()
+        producer = self.input_producer
+        if producer is not None and not self.freed:
+            if producer.freed:
+                raise RuntimeError(
+                    f"The input of {describe(self.module)} was the output of "
+                    f"{describe(producer.module)}, whose record is already freed, so it cannot "
+                    "be recomputed. Read module.input0 before the backward pass moves past "
+                    "that module."
+                )
+            return producer.output_values()
         return self.args[0] if self.args else None
 
     def output_values(self) -> Any:
