@@ -298,18 +298,23 @@ class GPT(nn.Module):
         return model, note
 
 
-def _gpt(tiny: bool) -> tuple[nn.Module, Tensor, Tensor, nn.Module]:
-    """GPT: 4 blocks, width 128, 4 heads, context 64, vocabulary 512, N=16; next-token CE."""
+def _gpt_problem(
+    sizes: tuple[int, int, int, int, int, int],
+) -> tuple[nn.Module, Tensor, Tensor, nn.Module]:
+    """GPT of (vocab, context, dim, heads, blocks, N) on random tokens; next-token CE."""
     torch.manual_seed(0)
-    sizes = (11, 5, 8, 2, 1, 3) if tiny else (512, 64, 128, 4, 4, 16)
     vocab, context, dim, heads, blocks, n = sizes
     model = GPT(vocab, context, dim, heads, blocks)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (n, context + 1), generator=gen, device="cpu")
     device = torch.get_default_device()
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # predict the next token
-    x, y = x.to(device), y.to(device)
-    return model, x, y, nn.CrossEntropyLoss()
+    return model, x.to(device), y.to(device), nn.CrossEntropyLoss()
+
+
+def _gpt(tiny: bool) -> tuple[nn.Module, Tensor, Tensor, nn.Module]:
+    """GPT: 4 blocks, width 128, 4 heads, context 64, vocabulary 512, N=16; next-token CE."""
+    return _gpt_problem((11, 5, 8, 2, 1, 3) if tiny else (512, 64, 128, 4, 4, 16))
 
 
 # --- realistic GPU sizes ------------------------------------------------------------------------
@@ -370,15 +375,7 @@ def _resnet18(tiny: bool) -> tuple[nn.Module, Tensor, Tensor, nn.Module]:
 
 def _gpt_long(tiny: bool) -> tuple[nn.Module, Tensor, Tensor, nn.Module]:
     """The `gpt` problem at context 256 and N=32."""
-    torch.manual_seed(0)
-    sizes = (11, 6, 8, 2, 1, 3) if tiny else (512, 256, 128, 4, 4, 32)
-    vocab, context, dim, heads, blocks, n = sizes
-    model = GPT(vocab, context, dim, heads, blocks)
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, vocab, (n, context + 1), generator=gen, device="cpu")
-    device = torch.get_default_device()
-    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    return model, x.to(device), y.to(device), nn.CrossEntropyLoss()
+    return _gpt_problem((11, 6, 8, 2, 1, 3) if tiny else (512, 256, 128, 4, 4, 32))
 
 
 PROBLEMS: dict[str, BenchProblem] = {

@@ -524,15 +524,23 @@ def _correlations(
     (kh, kw), (dh, dw) = kernel, dilation
     ph, pw = (kh - 1) * dh, (kw - 1) * dw
     window = padded[:, :, rows[0] : rows[1] + 2 * ph, cols[0] : cols[1] + 2 * pw]
+    strip = x[:, :, rows[0] : rows[1], cols[0] : cols[1]]
+    return _shifted_products(strip, window, (2 * kh - 1, 2 * kw - 1), dilation)
+
+
+def _shifted_products(
+    x: Tensor, window: Tensor, offsets: Sequence[int], dilation: Sequence[int]
+) -> Tensor:
+    """`[C, C, *offsets]`: Σ x[n, c, p] window[n, c', p + δ d] per offset δ (a weight backward)."""
     c = x.shape[1]
     return torch.ops.aten.convolution_backward(
-        x[:, :, rows[0] : rows[1], cols[0] : cols[1]],
+        x,
         window,
-        x.new_empty(c, c, 2 * kh - 1, 2 * kw - 1),
+        x.new_empty(c, c, *offsets),
         None,
         [1, 1],
         [0, 0],
-        [dh, dw],
+        list(dilation),
         False,
         [0, 0],
         1,
@@ -549,20 +557,8 @@ def _full_correlations(x: Tensor, kernel: Sequence[int], dilation: Sequence[int]
     """
     (kh, kw), (dh, dw) = kernel, dilation
     ph, pw = (kh - 1) * dh, (kw - 1) * dw
-    c = x.shape[1]
-    half = torch.ops.aten.convolution_backward(
-        x,
-        F.pad(x, [pw, pw, 0, ph]),
-        x.new_empty(c, c, kh, 2 * kw - 1),
-        None,
-        [1, 1],
-        [0, 0],
-        [dh, dw],
-        False,
-        [0, 0],
-        1,
-        [False, True, False],
-    )[1]  # [C, C, Kh, 2Kw - 1]: row offsets 0, dh, ..., (Kh - 1) dh
+    # [C, C, Kh, 2Kw - 1]: row offsets 0, dh, ..., (Kh - 1) dh
+    half = _shifted_products(x, F.pad(x, [pw, pw, 0, ph]), (kh, 2 * kw - 1), (dh, dw))
     upper = half[:, :, 1:].flip(2, 3).transpose(0, 1)  # row offsets -(Kh - 1) dh, ..., -dh
     return torch.cat([upper, half], 2)
 
