@@ -545,11 +545,10 @@ def _reduce_columns(
             ]
             buffers: list[Tensor | None] = [None] * len(found)
             filled = [0] * len(found)
-            for c, column in enumerate(factor):
+            for column in factor:
                 grads = torch.autograd.grad(
                     [out_edge], targets, [column], retain_graph=True, allow_unused=True
                 )
-                last = c == v - 1
                 for t, ((target, index, _), grad) in enumerate(zip(found, grads)):
                     if grad is None:
                         continue
@@ -561,10 +560,13 @@ def _reduce_columns(
                         buffers[t] = grad.new_empty(chunk[t], *grad.shape)
                     buffers[t][filled[t]] = grad
                     filled[t] += 1
-                    if filled[t] == chunk[t] or last:
-                        reduce(target, index, key, buffers[t][: filled[t]])
+                    if filled[t] == chunk[t]:
+                        reduce(target, index, key, buffers[t])
                         filled[t] = 0
                 del grads
+            for t, (target, index, _) in enumerate(found):
+                if filled[t]:  # the last, partial chunk
+                    reduce(target, index, key, buffers[t][: filled[t]])
     for target, _, _ in found:
         for key in keys:
             values = totals.get((id(target), key))
