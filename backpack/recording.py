@@ -188,8 +188,6 @@ class Record:
         """The output with its values (recomputed from the inputs for shape-only records)."""
         if not self.shape_only or self.freed:
             return self.output_structure
-        from backpack.context import CTX
-
         with torch.no_grad(), CTX.internal():
             return self.module(*self.args, **self.kwargs)
 
@@ -496,8 +494,10 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
             )
             structure = _shape_only(output) if shape_only else output.detach()
             outs: tuple[Tensor, ...] = (structure,)
-            producer = _shape_only_producer(args[0]) if cls in IDEMPOTENT_ACTIVATIONS else None
-            if producer is not None and len(args) == 1 and args[0] is not output:
+            producer = None
+            if cls in IDEMPOTENT_ACTIVATIONS and len(args) == 1 and args[0] is not output:
+                producer = _shape_only_producer(args[0])
+            if producer is not None:
                 # f(output) = output and f' agrees at both points: the output (saved by autograd
                 # anyway) serves every rule, and the input is the producer's to recompute, so the
                 # pre-activation can be freed after the forward as without backpack
