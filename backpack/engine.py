@@ -1159,7 +1159,7 @@ class Engine:
         The output-side factor (first in each list) sums over losses; a loss entering with a
         negative weight is subtracted.
         """
-        result = None
+        terms = []
         for sign in (1.0, -1.0):
             factors = secondorder.joint_factors(record, ext, sign)
             if factors is None:
@@ -1168,6 +1168,15 @@ class Engine:
             if kron is None:
                 _warn_no_kron(ext, record.module)
                 return None
+            terms.append((kron, sign))
+        # terms whose G was summed column by column during the propagation
+        reduced = record.extra.get("reduced_kron", {}).get(ext.factor_key, {})
+        for pos in sorted(reduced):
+            by_approx, sign = reduced[pos]
+            kron = {k: v for k, v in by_approx[ext.kfac_approx].items() if k in names}
+            terms.append((kron, sign))
+        result = None
+        for kron, sign in terms:
             if sign < 0:
                 kron = {k: [-v[0], *v[1:]] for k, v in kron.items()}
             if result is None:

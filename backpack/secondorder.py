@@ -469,17 +469,21 @@ def _reducible_now(
     found: list[tuple[Record, int, GradientEdge]],
     factor: Tensor,
 ) -> bool:
-    """Whether every quantity of these factors is a diagonal the targets can sum column by column.
+    """Whether every quantity of these factors is a sum over columns the targets can take at once.
 
-    Then no `[V, N, *out]` factor is ever stored: each propagated column is reduced to parameter
-    diagonals at once. Calls that need the engine's later handling keep the stored factors:
+    Diagonals, and Kronecker factors of rules whose G sums over columns (`kron_output_gram`).
+    Then no `[V, N, *out]` factor is ever stored: each propagated column is reduced at once.
+    Calls that need the engine's later handling keep the stored factors:
     rules that mix samples, views (samples along another axis, other sample counts) and
     parameters used by several calls on the same samples (cross terms).
     """
-    if any(e.output not in ("diag", "batch_diag") for e in exts if e.factor_key in keys):
+    outputs = {e.output for e in exts if e.factor_key in keys}
+    if not outputs <= {"diag", "batch_diag", "kron"}:
         return False
     n = factor.shape[1]
     for record, index, _ in found:
+        if "kron" in outputs and not hasattr(find_rule(record.module), "kron_output_gram"):
+            return False
         out = record.outputs[index]
         if record.module.__dict__.get("_backpack_batch_axis", 0) or record.freed:
             return False
@@ -515,12 +519,14 @@ def _reduce_columns(
     the `V`-column factor of every target, and keeps one column's intermediates alive instead
     of `V`.
     """
-    flags = {
-        key: sorted({e.output == "batch_diag" for e in engine.second_order if e.factor_key == key})
-        for key in keys
-    }
+    flags, approxes = {}, {}
+    for key in keys:
+        users = [e for e in engine.second_order if e.factor_key == key]
+        flags[key] = sorted({e.output == "batch_diag" for e in users if e.output != "kron"})
+        approxes[key] = sorted({e.kfac_approx for e in users if e.output == "kron"})
     targets = [edge for _, _, edge in found]
     totals: dict[tuple[int, tuple], dict[bool, dict[str, Tensor]]] = {}
+    grams: dict[tuple[int, tuple], dict[str, Tensor]] = {}
 
     def reduce(target: Record, index: int, key: tuple, columns: Tensor) -> None:
         target.promote_half()  # as the engine does before any rule runs (mixed precision)
@@ -535,6 +541,10 @@ def _reduce_columns(
             for name, value in part.items():
                 # parts are fresh sums, so the first one can take the others in place
                 acc[name] = value if name not in acc else acc[name].add_(value)
+        gram = grams.setdefault((id(target), key), {})
+        for approx in approxes[key]:
+            g = rule.kron_output_gram(target, at_outputs, approx)
+            gram[approx] = g if approx not in gram else gram[approx].add_(g)
 
     with CTX.propagation(), _explain_compiled():
         for key, factor in zip(keys, factors):
@@ -567,15 +577,38 @@ def _reduce_columns(
             for t, (target, index, _) in enumerate(found):
                 if filled[t]:  # the last, partial chunk
                     reduce(target, index, key, buffers[t][: filled[t]])
-    for target, _, _ in found:
+    for target, index, _ in found:
         for key in keys:
             values = totals.get((id(target), key))
-            if values is None:
-                continue
-            if sign < 0:
-                values = {f: {k: -v for k, v in d.items()} for f, d in values.items()}
-            terms = target.extra.setdefault("reduced_terms", {}).setdefault(key, {})
-            terms[pos] = ReducedEntry(values)
+            if values:
+                if sign < 0:
+                    values = {f: {k: -v for k, v in d.items()} for f, d in values.items()}
+                terms = target.extra.setdefault("reduced_terms", {}).setdefault(key, {})
+                terms[pos] = ReducedEntry(values)
+            gram = grams.get((id(target), key))
+            if gram:
+                kron = target.extra.setdefault("reduced_kron", {}).setdefault(key, {})
+                kron[pos] = (_kron_with_gram(target, index, gram), sign)
+
+
+def _kron_with_gram(
+    record: Record, index: int, grams: dict[str, Tensor]
+) -> dict[str, dict[str, list[Tensor]]]:
+    """Each approximation's Kronecker factors of a call, with G summed over all columns.
+
+    The rule computes A (and the G of one zero column) from a zero factor; G is then replaced.
+    """
+    rule = find_rule(record.module)
+    names = list(trainable_params(record.module))
+    out = record.outputs[index]
+    empty: list[Tensor | None] = [None] * len(record.outputs)
+    dtype = next(iter(grams.values())).dtype
+    empty[index] = torch.zeros(1, *out.shape, dtype=dtype, device=out.device)
+    result = {}
+    for approx, g in grams.items():
+        kron = rule.kron_factors(record, empty, names, approx)
+        result[approx] = {name: [g, *factors[1:]] for name, factors in kron.items()}
+    return result
 
 
 #: autograd nodes that only move entries around (a loss input reaching modules through them

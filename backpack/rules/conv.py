@@ -340,6 +340,14 @@ class ConvRule(ModuleRule):
             result["bias"] = b2.sum(0) if per_sample else b2.sum((0, 1))
         return result
 
+    def kron_output_gram(
+        self, record: Record, factors: Sequence[Tensor | None], approx: str = "expand"
+    ) -> Tensor:
+        """The output-side Kronecker factor G of these factor columns alone (sums over columns)."""
+        f = _input_and_factor(record, factors)[1]
+        s = f.reshape(f.shape[0] * f.shape[1], f.shape[2], -1).sum(-1)  # [V N, C_out]
+        return s.T @ s
+
     def kron_factors(self, record, factors, names, approx="expand"):  # noqa: D102
         """`[G, A]` for the weight (`weight.transpose(0, 1)` for transposed convs), `[G]` bias.
 
@@ -358,8 +366,7 @@ class ConvRule(ModuleRule):
             c_out = out.shape[out.dim() - convnd.spatial_dims(module) - 1]
             g = x.new_zeros(c_out, c_out)
         else:
-            s = f.reshape(f.shape[0] * f.shape[1], f.shape[2], -1).sum(-1)  # [V N, C_out]
-            g = s.T @ s
+            g = self.kron_output_gram(record, factors, approx)
         result: dict[str, list[Tensor]] = {}
         if "weight" in names:
             if approx == "reduce":

@@ -246,17 +246,25 @@ class LinearRule(ModuleRule):
         g = gbar.reshape(t, out, t, out).diagonal(dim1=0, dim2=2).sum(-1)
         return _kron_result(x, (g + g.T) / 2, names)
 
+    def kron_output_gram(
+        self, record: Record, factors: Sequence[Tensor | None], approx: str = "expand"
+    ) -> Tensor:
+        """The output-side Kronecker factor G of these factor columns alone (sums over columns)."""
+        f = self._flat_factor(record, factors)
+        if approx == "reduce" and f.shape[2] > 1:
+            s = f.sum(2)  # [V, N, out]
+            return torch.einsum("vno,vnp->op", s, s)
+        return torch.einsum("vnto,vntp->op", f, f)
+
     def kron_factors(self, record, factors, names, approx="expand"):  # noqa: D102
         # Sequence inputs [N, T, in]: "expand" lets positions act as samples (A averages over
         # N·T inputs, G sums over positions); "reduce" averages the inputs over positions and
         # sums the factor over positions before the outer products.
         x = _flat_input(record)
-        f = self._flat_factor(record, factors)
+        g = self.kron_output_gram(record, factors, approx)
         if approx == "reduce" and x.shape[1] > 1:
-            s = f.sum(2)  # [V, N, out]
-            mean_x = x.mean(1, keepdim=True)  # [N, 1, in]
-            return _kron_result(mean_x, torch.einsum("vno,vnp->op", s, s), names)
-        return _kron_result(x, torch.einsum("vnto,vntp->op", f, f), names)
+            return _kron_result(x.mean(1, keepdim=True), g, names)  # inputs averaged
+        return _kron_result(x, g, names)
 
 
 def _kron_result(x: Tensor, g: Tensor, names: Names) -> dict[str, list[Tensor]]:

@@ -14,6 +14,7 @@ from torch import nn
 
 from backpack import backpack, extend, secondorder
 from backpack.extensions import (
+    KFAC,
     KFLR,
     BatchDiagGGNExact,
     BatchDiagHessian,
@@ -247,3 +248,38 @@ def test_too_large_exact_factor_is_refused_clearly(monkeypatch):
     with backpack(DiagGGNMC()):
         lossfunc(model(x), y).backward()
     assert model.weight.diag_ggn_mc.shape == model.weight.shape
+
+
+def _kron_run(ext_factory, two_losses=False):
+    torch.manual_seed(0)
+    model, x, lossfunc, y = build()
+    extend(model)
+    extend(lossfunc)
+    x2, y2 = torch.randn_like(x), torch.randint(0, 4, (5,))
+    ext = ext_factory()
+    torch.manual_seed(5)
+    with backpack(ext):
+        loss = lossfunc(model(x), y)
+        if two_losses:
+            loss = loss - 0.3 * lossfunc(model(x2), y2)
+        loss.backward()
+    return {k: [t.clone() for t in getattr(p, ext.savefield)] for k, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("two_losses", [False, True])
+@pytest.mark.parametrize(
+    "ext_factory",
+    [KFLR, lambda: KFLR(kfac_approx="reduce"), lambda: KFAC(mc_samples=3)],
+    ids=["kflr", "kflr-reduce", "kfac-3"],
+)
+def test_kronecker_factors_reduced_as_when_stored(ext_factory, two_losses, spy, monkeypatch):
+    """G summed column by column equals G from stored factors (same draws for KFAC)."""
+    reduced = _kron_run(ext_factory, two_losses)
+    assert len(spy) == (2 if two_losses else 1), "the column-reduction path did not run"
+    monkeypatch.setattr(secondorder, "_reducible_now", lambda *args: False)
+    stored = _kron_run(ext_factory, two_losses)
+    assert len(spy) == (2 if two_losses else 1)
+    for name in reduced:
+        assert len(reduced[name]) == len(stored[name])
+        for a, b in zip(reduced[name], stored[name], strict=True):
+            close(a, b, name)
