@@ -115,6 +115,28 @@ class LinearRule(ModuleRule):
             result["bias"] = b @ b.T
         return result
 
+    def grad_sum_and_squares(
+        self, record: Record, grad_outputs: GradOutputs, names: Names
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor]] | None:
+        """(Σ_n g_n, Σ_n g_n²) from one `[N, out, in]` per-sample product, for sequence inputs.
+
+        With T > 1 positions the squares need the per-sample gradients anyway, and their sum is
+        the gradient. For 2-D inputs the squares have a closed form, and autograd's gradient
+        is cheaper than a second product (None).
+        """
+        x, g = _flat(record, grad_outputs)
+        if x.shape[1] == 1:
+            return None
+        sums, squares = {}, {}
+        if "weight" in names:
+            per_sample = torch.einsum("nto,nti->noi", g, x)
+            sums["weight"] = per_sample.sum(0)
+            squares["weight"] = per_sample.square_().sum(0)
+        if "bias" in names:
+            per_sample_bias = g.sum(1)
+            sums["bias"], squares["bias"] = per_sample_bias.sum(0), per_sample_bias.square().sum(0)
+        return sums, squares
+
     def grad_sum(self, record: Record, grad_outputs: GradOutputs, names: Names) -> dict | None:
         """This call's contribution to the gradient."""
         x, g = _flat(record, grad_outputs)
