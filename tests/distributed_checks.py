@@ -88,6 +88,18 @@ def exact_extensions() -> list:
     ]
 
 
+def reduced_extensions() -> list:
+    """Quantities that convolutional graphs sum column by column (`secondorder._reduce_columns`)."""
+    return [
+        Variance(),
+        DiagGGNExact(),
+        BatchDiagGGNExact(),
+        DiagHessian(),
+        BatchDiagHessian(),
+        KFLR(),
+    ]
+
+
 def mc_extensions() -> list:
     return [BatchGrad(), DiagGGNMC(), BatchDiagGGNMC(), SqrtGGNMC(), KFAC()]
 
@@ -210,19 +222,21 @@ def compare(model, ref, start, stop, fields=None, products=True, rows_sum=True) 
 
 
 # --- scenarios ---------------------------------------------------------------------------------
-def exact_case(kind: str, reduction: str, make=mlp, in_shape=(4,), ddp: bool = False):
+def exact_case(
+    kind: str, reduction: str, make=mlp, in_shape=(4,), ddp: bool = False, exts=exact_extensions
+):
     def check(rank: int, world: int) -> None:
         model, ref = pair(make)
         x, y = batch(kind, sum(SIZES[world]), in_shape, 3)
         (xr, yr), start, stop = shard([x, y], SIZES[world], rank)
         lf = extend(loss_function(kind, reduction))
         net = nn.parallel.DistributedDataParallel(model) if ddp else model
-        with backpack(*exact_extensions()):
+        with backpack(*exts()):
             lf(net(xr), yr).backward()
-        with backpack(*exact_extensions(), sync=False):
+        with backpack(*exts(), sync=False):
             lf(ref(x), y).backward()
         seen = compare(model, ref, start, stop)
-        assert seen == {e.savefield for e in exact_extensions()}, seen
+        assert seen == {e.savefield for e in exts()}, seen
 
     return check
 
@@ -537,6 +551,10 @@ MAIN: list[tuple[str, Callable]] = [
     ("exact-ce_ignore-mean", exact_case("ce_ignore", "mean")),
     ("exact-bce-mean", exact_case("bce", "mean")),
     ("exact-conv-ce-mean-ddp", exact_case("ce", "mean", convnet, (2, 6), ddp=True)),
+    (
+        "reduced-conv-ce-sum-ddp",
+        exact_case("ce", "sum", convnet, (2, 6), ddp=True, exts=reduced_extensions),
+    ),
     ("mc-ce-mean", mc_case("ce", "mean")),
     ("mc-mse-sum", mc_case("mse", "sum")),
     ("float32-passes", float32_passes),

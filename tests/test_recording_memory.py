@@ -18,12 +18,6 @@ from backpack.recording import records_at, walk_nodes
 DTYPE = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def _stand_ins_for_small_outputs(monkeypatch):
-    """The problems here are tiny: stand-ins for every output size."""
-    monkeypatch.setattr(recording, "SHAPE_ONLY_MIN_ELEMENTS", 0)
-
-
 def cnn(activation=nn.ReLU):
     return nn.Sequential(
         nn.Conv2d(2, 3, 3, padding=1),

@@ -7,12 +7,14 @@ against brute-force GGNs and Hessians in float64, for every chunk layout, with a
 weight and two losses, and next to extensions that still need the stored factors.
 """
 
+import threading
+
 import pytest
 import torch
 from second_order_reference import Curvature
 from torch import nn
 
-from backpack import backpack, extend, secondorder
+from backpack import backpack, extend, recording, secondorder
 from backpack.extensions import (
     KFAC,
     KFLR,
@@ -283,3 +285,104 @@ def test_kronecker_factors_reduced_as_when_stored(ext_factory, two_losses, spy, 
         assert len(reduced[name]) == len(stored[name])
         for a, b in zip(reduced[name], stored[name], strict=True):
             close(a, b, name)
+
+
+# --- set-ups around the reduced path: a module without a rule, torch.compile, threads ----------
+class Scale(nn.Module):
+    """A parametrized module without a rule (the generic torch.func rule handles it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+
+    def forward(self, x):
+        return x * self.weight.reshape(1, 3, 1, 1)
+
+
+def cnn_with_generic_layer():
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1),
+        Scale(),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(12, 4),
+    )
+
+
+def test_module_without_rule_is_reduced_correctly(spy):
+    torch.manual_seed(0)
+    model = cnn_with_generic_layer().to(DTYPE)
+    x, y = torch.randn(5, 2, 4, 4, dtype=DTYPE), torch.randint(0, 4, (5,))
+    lossfunc = nn.CrossEntropyLoss()
+    ref = Curvature(model, x, lossfunc, y, hessian=False, per_sample=False)
+    extend(model)
+    extend(lossfunc)
+    with backpack(DiagGGNExact(), BatchDiagGGNExact()):
+        lossfunc(model(x), y).backward()
+    assert spy
+    for name, p in model.named_parameters():
+        close(p.diag_ggn_exact, ref.diag(ref.ggn, name), name)
+        close(p.diag_ggn_exact_batch, ref.diag(ref.ggn_per_sample, name), name)
+
+
+def _quantities(model):
+    return {
+        (name, field): torch.cat([t.flatten() for t in value]) if isinstance(value, list)
+        else value.clone()
+        for name, p in model.named_parameters()
+        for field in ("diag_ggn_exact", "diag_ggn_exact_batch", "kflr", "grad")
+        if (value := getattr(p, field, None)) is not None
+    }
+
+
+def test_compiled_convolutional_model_gives_the_eager_numbers(spy, monkeypatch):
+    monkeypatch.setattr(recording, "SHAPE_ONLY_MIN_ELEMENTS", 0)  # shape-only records too
+    model, x, lossfunc, y = build()
+    extend(model)
+    extend(lossfunc)
+    results = []
+    for run in (model, torch.compile(model)):
+        model.zero_grad()
+        with backpack(DiagGGNExact(), BatchDiagGGNExact(), KFLR()):
+            lossfunc(run(x), y).backward()
+        results.append(_quantities(model))
+    assert spy
+    assert results[0].keys() == results[1].keys()
+    for key, value in results[0].items():
+        close(results[1][key], value, str(key))
+
+
+def test_threads_match_single_threaded_results(monkeypatch):
+    monkeypatch.setattr(recording, "SHAPE_ONLY_MIN_ELEMENTS", 0)
+    setups = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        model, x, lossfunc, y = build()
+        setups.append((extend(model), x, extend(lossfunc), y))
+
+    def step(i):
+        model, x, lossfunc, y = setups[i]
+        model.zero_grad()
+        with backpack(DiagGGNExact(), BatchDiagGGNExact(), KFLR()):
+            lossfunc(model(x), y).backward()
+        return _quantities(model)
+
+    expected = [step(i) for i in range(3)]
+    failures = []
+
+    def worker(i):
+        try:
+            for _ in range(10):
+                got = step(i)
+                wrong = [k for k, v in got.items() if not torch.equal(v, expected[i][k])]
+                failures.extend((i, k) for k in wrong)
+        except Exception as err:  # noqa: BLE001 - reported below
+            failures.append((i, repr(err)))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert failures == []
