@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -361,15 +361,12 @@ def on_loss_backward(engine: Engine, record: Record, grads: tuple[Tensor | None,
             engine.loss_columns.setdefault(key, {})[pos] = (s.shape[0], sign)
         convolutional = any(isinstance(r.module, nn.modules.conv._ConvNd) for r, _, _ in found)
         broadcast = any(id(r) in engine.layout.broadcast for r, _, _ in found)
-        if (
-            convolutional
-            and positions is None
-            and not broadcast
-            and _reducible_now(engine, exts, keys, found, factors[0])
-        ):
-            _reduce_columns(engine, out_edge, found, keys, factors, pos, sign)
+        columns = _LossColumns(out_edge, found, keys, factors, pos, sign)
+        plain_rows = positions is None and not broadcast
+        if convolutional and plain_rows and _reducible_now(engine, columns):
+            _reduce_columns(engine, columns)
         else:
-            _store_factors(engine, out_edge, found, keys, factors, pos, sign, convolutional)
+            _store_factors(engine, columns, convolutional)
     if any(e.factor == "sum" for e in exts):
         from backpack.kfra import start_kfra
 
@@ -416,17 +413,20 @@ def _check_exact_size(record: Record, exts: list[SecondOrderBackpropExtension]) 
     )
 
 
-def _store_factors(
-    engine: Engine,
-    out_edge: GradientEdge,
-    found: list[tuple[Record, int, GradientEdge]],
-    keys: list[tuple],
-    factors: list[Tensor],
-    pos: int,
-    sign: float,
-    convolutional: bool,
-) -> None:
+class _LossColumns(NamedTuple):
+    """One loss's Hessian factors on their way backward to the calls the loss reaches."""
+
+    edge: GradientEdge  #: the loss input, where the columns start
+    found: list[tuple[Record, int, GradientEdge]]  #: parametrized calls reached (output index)
+    keys: list[tuple]  #: factor keys (`SecondOrderBackpropExtension.factor_key`)
+    factors: list[Tensor]  #: `[V, N, *out]` per key
+    pos: int  #: the loss's position in the pass
+    sign: float  #: -1 for a loss entering the backward with a negative weight
+
+
+def _store_factors(engine: Engine, columns: _LossColumns, convolutional: bool) -> None:
     """Backpropagate the factors to every target and store them there for the module rules."""
+    out_edge, found, keys, factors, pos, sign = columns
     sizes = [f.shape[0] for f in factors]
     # calls broadcast over the samples (position embeddings) take the factor before the
     # broadcast's sum over samples
@@ -462,13 +462,7 @@ def _store_factors(
             slot[0][index] = part
 
 
-def _reducible_now(
-    engine: Engine,
-    exts: list[SecondOrderBackpropExtension],
-    keys: list[tuple],
-    found: list[tuple[Record, int, GradientEdge]],
-    factor: Tensor,
-) -> bool:
+def _reducible_now(engine: Engine, columns: _LossColumns) -> bool:
     """Whether every quantity of these factors is a sum over columns the targets can take at once.
 
     Diagonals, and Kronecker factors of rules whose G sums over columns (`kron_output_gram`).
@@ -477,11 +471,12 @@ def _reducible_now(
     rules that mix samples, views (samples along another axis, other sample counts) and
     parameters used by several calls on the same samples (cross terms).
     """
-    outputs = {e.output for e in exts if e.factor_key in keys}
+    keys = columns.keys
+    outputs = {e.output for e in engine.second_order if e.factor_key in keys}
     if not outputs <= {"diag", "batch_diag", "kron"}:
         return False
-    n = factor.shape[1]
-    for record, index, _ in found:
+    n = columns.factors[0].shape[1]
+    for record, index, _ in columns.found:
         if "kron" in outputs and not hasattr(find_rule(record.module), "kron_output_gram"):
             return False
         out = record.outputs[index]
@@ -503,15 +498,7 @@ def _reducible_now(
 REDUCE_CHUNK_ELEMENTS = 2**22
 
 
-def _reduce_columns(
-    engine: Engine,
-    out_edge: GradientEdge,
-    found: list[tuple[Record, int, GradientEdge]],
-    keys: list[tuple],
-    factors: list[Tensor],
-    pos: int,
-    sign: float,
-) -> None:
+def _reduce_columns(engine: Engine, columns: _LossColumns) -> None:
     """Backpropagate one column at a time and sum its squares into each target's diagonals.
 
     Through convolutions this is how columns travel anyway (see `_LOOP_MAX_COLUMNS`); reducing
@@ -519,6 +506,7 @@ def _reduce_columns(
     the `V`-column factor of every target, and keeps one column's intermediates alive instead
     of `V`.
     """
+    out_edge, found, keys, factors, pos, sign = columns
     flags, approxes = {}, {}
     for key in keys:
         users = [e for e in engine.second_order if e.factor_key == key]

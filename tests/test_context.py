@@ -5,6 +5,7 @@ import threading
 import weakref
 
 import torch
+from thread_checks import assert_threads_reproduce
 from torch import nn
 
 from backpack import backpack, extend
@@ -58,29 +59,7 @@ def _step(setup, exts):
 def test_three_threads_thirty_passes_match_single_threaded_results():
     # models and data are built up front: the global RNG is not thread-safe
     setups = [_setup(i) for i in range(3)]
-    expected = [_step(setups[i], EXTENSIONS[i]) for i in range(3)]
-    failures = []
-
-    def worker(i):
-        try:
-            for _ in range(30):
-                got = _step(setups[i], EXTENSIONS[i])
-                if got.keys() != expected[i].keys():
-                    failures.append((i, "attributes", set(got) ^ set(expected[i])))
-                    continue
-                for key, value in got.items():
-                    if not torch.equal(value, expected[i][key]):
-                        failures.append((i, key))
-        except Exception as err:  # noqa: BLE001 - reported below
-            failures.append((i, repr(err)))
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=300)
-    assert not any(t.is_alive() for t in threads)
-    assert failures == []
+    assert_threads_reproduce(lambda i: _step(setups[i], EXTENSIONS[i]), 3, 30)
     assert CTX.engines == []
 
 

@@ -7,14 +7,13 @@ against brute-force GGNs and Hessians in float64, for every chunk layout, with a
 weight and two losses, and next to extensions that still need the stored factors.
 """
 
-import threading
-
 import pytest
 import torch
 from second_order_reference import Curvature
+from thread_checks import assert_threads_reproduce
 from torch import nn
 
-from backpack import backpack, extend, recording, secondorder
+from backpack import backpack, extend, secondorder
 from backpack.extensions import (
     KFAC,
     KFLR,
@@ -219,20 +218,24 @@ class SharedConv(nn.Module):
         return self.head(self.conv(self.act(self.conv(x))).flatten(1))
 
 
-def test_parameter_used_twice_on_the_same_samples_keeps_factors(spy):
-    torch.manual_seed(0)
-    model = SharedConv().to(DTYPE)
-    x, y = torch.randn(3, 2, 4, 4, dtype=DTYPE), torch.randint(0, 3, (3,))
+def check_ggn_diagonals(model, x, y):
+    """DiagGGNExact and BatchDiagGGNExact of `model` (float64, CE) against brute force."""
     lossfunc = nn.CrossEntropyLoss()
     ref = Curvature(model, x, lossfunc, y, hessian=False, per_sample=False)
     extend(model)
     extend(lossfunc)
     with backpack(DiagGGNExact(), BatchDiagGGNExact()):
         lossfunc(model(x), y).backward()
-    assert not spy
     for name, p in model.named_parameters():
         close(p.diag_ggn_exact, ref.diag(ref.ggn, name), name)
         close(p.diag_ggn_exact_batch, ref.diag(ref.ggn_per_sample, name), name)
+
+
+def test_parameter_used_twice_on_the_same_samples_keeps_factors(spy):
+    torch.manual_seed(0)
+    model = SharedConv().to(DTYPE)
+    check_ggn_diagonals(model, torch.randn(3, 2, 4, 4, dtype=DTYPE), torch.randint(0, 3, (3,)))
+    assert not spy
 
 
 def test_too_large_exact_factor_is_refused_clearly(monkeypatch):
@@ -313,17 +316,8 @@ def cnn_with_generic_layer():
 def test_module_without_rule_is_reduced_correctly(spy):
     torch.manual_seed(0)
     model = cnn_with_generic_layer().to(DTYPE)
-    x, y = torch.randn(5, 2, 4, 4, dtype=DTYPE), torch.randint(0, 4, (5,))
-    lossfunc = nn.CrossEntropyLoss()
-    ref = Curvature(model, x, lossfunc, y, hessian=False, per_sample=False)
-    extend(model)
-    extend(lossfunc)
-    with backpack(DiagGGNExact(), BatchDiagGGNExact()):
-        lossfunc(model(x), y).backward()
+    check_ggn_diagonals(model, torch.randn(5, 2, 4, 4, dtype=DTYPE), torch.randint(0, 4, (5,)))
     assert spy
-    for name, p in model.named_parameters():
-        close(p.diag_ggn_exact, ref.diag(ref.ggn, name), name)
-        close(p.diag_ggn_exact_batch, ref.diag(ref.ggn_per_sample, name), name)
 
 
 def _quantities(model):
@@ -336,8 +330,7 @@ def _quantities(model):
     }
 
 
-def test_compiled_convolutional_model_gives_the_eager_numbers(spy, monkeypatch):
-    monkeypatch.setattr(recording, "SHAPE_ONLY_MIN_ELEMENTS", 0)  # shape-only records too
+def test_compiled_convolutional_model_gives_the_eager_numbers(spy):
     model, x, lossfunc, y = build()
     extend(model)
     extend(lossfunc)
@@ -353,8 +346,7 @@ def test_compiled_convolutional_model_gives_the_eager_numbers(spy, monkeypatch):
         close(results[1][key], value, str(key))
 
 
-def test_threads_match_single_threaded_results(monkeypatch):
-    monkeypatch.setattr(recording, "SHAPE_ONLY_MIN_ELEMENTS", 0)
+def test_threads_match_single_threaded_results():
     setups = []
     for seed in range(3):
         torch.manual_seed(seed)
@@ -368,21 +360,4 @@ def test_threads_match_single_threaded_results(monkeypatch):
             lossfunc(model(x), y).backward()
         return _quantities(model)
 
-    expected = [step(i) for i in range(3)]
-    failures = []
-
-    def worker(i):
-        try:
-            for _ in range(10):
-                got = step(i)
-                wrong = [k for k, v in got.items() if not torch.equal(v, expected[i][k])]
-                failures.extend((i, k) for k in wrong)
-        except Exception as err:  # noqa: BLE001 - reported below
-            failures.append((i, repr(err)))
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=300)
-    assert failures == []
+    assert_threads_reproduce(step, 3, 10)
