@@ -186,3 +186,65 @@ def test_small_outputs_are_kept(monkeypatch):
     assert by_module[id(model[0])].shape_only  # [4, 3, 4, 4]: 192 elements
     assert not by_module[id(model[4])].shape_only  # [4, 5]: 20 elements
     assert not torch.isnan(by_module[id(model[4])].outputs[0]).any()
+
+
+def _records_of(model):
+    return [r for m in model.modules() for r in recording._records(m)]
+
+
+def test_plain_backward_frees_records_as_it_passes():
+    """A backward without backpack that does not retain the graph drops what records hold."""
+    torch.manual_seed(0)
+    model = extend(cnn())
+    x, y = torch.randn(4, 2, 4, 4, dtype=DTYPE), torch.tensor([0, 1, 2, 0])
+    loss = extend(nn.CrossEntropyLoss())(model(x), y)
+    records = _records_of(model)
+    assert records and not any(r.freed for r in records)
+    loss.backward()
+    assert all(r.freed and r.args == () and r.outputs == () for r in records)
+
+
+def test_plain_backward_keeping_the_graph_keeps_records():
+    """backward(retain_graph=True) without backpack leaves the records for a later context."""
+    torch.manual_seed(0)
+    model = extend(cnn())
+    x, y = torch.randn(4, 2, 4, 4, dtype=DTYPE), torch.tensor([0, 1, 2, 0])
+    loss = extend(nn.CrossEntropyLoss())(model(x), y)
+    loss.backward(retain_graph=True)
+    assert not any(r.freed for r in _records_of(model))
+    model.zero_grad()
+    with backpack(BatchGrad()):
+        loss.backward()
+    expected = torch.stack(
+        [
+            torch.autograd.grad(
+                nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]) / len(x),
+                model[0].weight,
+            )[0]
+            for i in range(len(x))
+        ]
+    )
+    torch.testing.assert_close(model[0].weight.grad_batch, expected)
+
+
+class _TwoOutputs(nn.Module):
+    """Two outputs made by two different autograd nodes."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 3, dtype=DTYPE))
+
+    def forward(self, x):
+        return x @ self.weight, x.tanh() * self.weight.sum()
+
+
+def test_plain_backward_through_one_output_node_keeps_the_record():
+    """Another output node of the call may still be backpropagated later: keep the record."""
+    torch.manual_seed(0)
+    module = extend(_TwoOutputs())
+    x = torch.randn(2, 3, dtype=DTYPE, requires_grad=True)
+    first, second = module(x)
+    (record,) = recording._records(module)
+    first.sum().backward()
+    assert not record.freed
+    assert record.args[0] is x
