@@ -59,16 +59,25 @@ IDEMPOTENT_ACTIVATIONS: set[type] = set()
 #: outputs smaller than this are kept as they are (holding them costs nothing measurable, and
 #: a stand-in costs as much as a view)
 SHAPE_ONLY_MIN_ELEMENTS = 2**16
-_NAN: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+#: (shape, dtype, device) -> stand-in: every step of a training loop has the same shapes, and
+#: building the view (a dispatched op) cost about 10 us per call right after a large layer
+_STAND_INS: dict[tuple[Any, ...], Tensor] = {}
 
 
 def _shape_only(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """A tensor with `t`'s shape, dtype and device holding one NaN (any value read shows)."""
-    key = (dtype or t.dtype, t.device)
-    nan = _NAN.get(key)
-    if nan is None:
-        nan = _NAN[key] = torch.full((), math.nan, dtype=key[0], device=t.device)
-    return nan.expand(t.shape)
+    """A tensor with `t`'s shape, dtype and device holding one NaN (any value read shows).
+
+    Stand-ins are shared between records (they are read-only: expanded views cannot be written
+    in place).
+    """
+    key = (t.shape, dtype or t.dtype, t.device)
+    stand_in = _STAND_INS.get(key)
+    if stand_in is None:
+        if len(_STAND_INS) >= 1024:
+            _STAND_INS.clear()
+        nan = torch.full((), math.nan, dtype=key[1], device=key[2])
+        stand_in = _STAND_INS[key] = nan.expand(t.shape)
+    return stand_in
 
 
 #: class -> is it a loss class (cleared when a loss class is added)
