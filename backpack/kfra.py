@@ -30,7 +30,7 @@ from backpack.recording import (
 )
 from backpack.rules import find_rule
 from backpack.rules.activations import elementwise_derivative
-from backpack.rules.base import ModuleRule
+from backpack.rules.base import ModuleRule, gram
 
 if TYPE_CHECKING:  # pragma: no cover
     from backpack.engine import Engine
@@ -85,7 +85,7 @@ def _sandwich(
     if result is None:
         raise RuntimeError("KFRA: no gradient path between consecutive modules.")
     flat = result.reshape(result.shape[0], n, -1)
-    return torch.einsum("rnd,rne->de", flat, flat) / n
+    return gram(flat) / n
 
 
 def _module_step(record: Record, gbar: Tensor, n: int) -> Tensor | None:

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from backpack.recording import OWNS_CHILD_PARAMETERS, Record, tensors_in
-from backpack.rules.base import GradOutputs, ModuleRule, Names, register_rule
+from backpack.rules.base import GradOutputs, ModuleRule, Names, gram, register_rule
 
 OWNS_CHILD_PARAMETERS.add(nn.MultiheadAttention)
 
@@ -841,7 +841,7 @@ class MultiheadAttentionRule(ModuleRule):
                 mean = x.mean(1)
                 a = mean.T @ mean / x.shape[0]
             else:
-                a = torch.einsum("nti,ntj->ij", x, x) / (x.shape[0] * x.shape[1])
+                a = gram(x) / (x.shape[0] * x.shape[1])
             result[name] = [side, a]
         return result
 

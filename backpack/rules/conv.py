@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from backpack.core.derivatives import convnd
 from backpack.recording import SHAPE_ONLY_OUTPUTS, Record
-from backpack.rules.base import GradOutputs, ModuleRule, Names, register_rule
+from backpack.rules.base import GradOutputs, ModuleRule, Names, gram, register_rule
 
 #: elements a chunk of samples may occupy in one intermediate (Gram matrices, gradients)
 _CHUNK_BUDGET = 1 << 24
@@ -505,7 +505,7 @@ def _reduced_input_kron_factor(module: nn.Module, x: Tensor, out_size: Sequence[
     u = convnd.unfold_channels_first(module, x, out_size)  # [C_in K, N L]
     mean = u.reshape(u.shape[0], n, -1).mean(-1)  # [C_in K, N]
     mean = mean.reshape(groups, mean.shape[0] // groups, n)
-    return torch.einsum("gkn,gjn->kj", mean, mean) / (n * groups)
+    return gram(mean.transpose(1, 2)) / (n * groups)
 
 
 def _input_kron_factor(module: nn.Module, x: Tensor, out_size: Sequence[int]) -> Tensor:

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from backpack.recording import Record
-from backpack.rules.base import GradOutputs, ModuleRule, Names, register_rule
+from backpack.rules.base import GradOutputs, ModuleRule, Names, gram, register_rule
 
 #: largest vocabulary for which the Kronecker input factor (a dense `[V, V]` matrix) is formed
 MAX_KRON_VOCABULARY = 8192
@@ -166,9 +166,9 @@ class EmbeddingRule(ModuleRule):
             f = f.reshape(f.shape[0], n, t, f.shape[-1])
             if approx == "reduce":
                 s = f.sum(2)
-                g = torch.einsum("vnd,vne->de", s, s)
+                g = gram(s)
             else:
-                g = torch.einsum("vntd,vnte->de", f, f)
+                g = gram(f)
         if approx == "reduce":
             mean = weights.new_zeros(n, vocab)
             mean.scatter_add_(1, idx, weights / t)

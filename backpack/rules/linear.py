@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from backpack.recording import SHAPE_ONLY_OUTPUTS, Record
-from backpack.rules.base import GradOutputs, ModuleRule, Names, register_rule
+from backpack.rules.base import GradOutputs, ModuleRule, Names, gram, register_rule
 
 
 def _flat_input(record: Record) -> Tensor:
@@ -275,8 +275,8 @@ class LinearRule(ModuleRule):
         f = self._flat_factor(record, factors)
         if approx == "reduce" and f.shape[2] > 1:
             s = f.sum(2)  # [V, N, out]
-            return torch.einsum("vno,vnp->op", s, s)
-        return torch.einsum("vnto,vntp->op", f, f)
+            return gram(s)
+        return gram(f)
 
     def kron_factors(self, record, factors, names, approx="expand"):  # noqa: D102
         # Sequence inputs [N, T, in]: "expand" lets positions act as samples (A averages over
@@ -296,7 +296,7 @@ def _kron_result(x: Tensor, g: Tensor, names: Names) -> dict[str, list[Tensor]]:
     """
     result: dict[str, list[Tensor]] = {}
     if "weight" in names:
-        result["weight"] = [g, torch.einsum("nti,ntj->ij", x, x) / (x.shape[0] * x.shape[1])]
+        result["weight"] = [g, gram(x) / (x.shape[0] * x.shape[1])]
     if "bias" in names:
         result["bias"] = [g]
     return result

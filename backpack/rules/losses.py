@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from backpack.recording import _IS_LOSS_CLASS, LOSS_CLASSES, Record
+from backpack.rules.base import gram
 
 _LOSS_RULES: dict[type[nn.Module], LossRule] = {}
 
@@ -54,8 +55,7 @@ class LossRule:
     def sum_hessian(self, record: Record) -> Tensor:
         """Σ_n ∇²(R l_n) as a dense `[D, D]` matrix over the flattened per-sample output."""
         s = self.sqrt_hessian(record, reduced=True)
-        flat = s.reshape(s.shape[0], s.shape[1], -1)
-        return torch.einsum("vnd,vne->de", flat, flat)
+        return gram(s.reshape(s.shape[0], s.shape[1], -1))
 
 
 def register_loss_rule(*module_classes: type[nn.Module]):  # noqa: ANN201

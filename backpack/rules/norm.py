@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from backpack.recording import Record
-from backpack.rules.base import GradOutputs, ModuleRule, Names, register_rule
+from backpack.rules.base import GradOutputs, ModuleRule, Names, gram, register_rule
 
 #: key of the per-sample gradient cache in `Record.extra`
 _CACHE = "norm_per_sample"
@@ -267,7 +267,7 @@ class _PerSampleNormRule(ModuleRule):
         result = {}
         for name, value in sqrt.items():
             flat = value.flatten(2)
-            block = torch.einsum("vnk,vnl->kl", flat, flat)
+            block = gram(flat)
             result[name] = [block * scale if scale != 1.0 else block]
         return result
 

@@ -35,7 +35,7 @@ from torch import _VF, Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from backpack.recording import Record, tensors_in, trainable_params
-from backpack.rules.base import GradOutputs, ModuleRule, Names, register_rule
+from backpack.rules.base import GradOutputs, ModuleRule, Names, gram, register_rule
 
 _RECURRENCES: dict[str, Callable[..., Any]] = {
     "LSTM": _VF.lstm,
@@ -330,12 +330,13 @@ def _column_grads(
     if hx is not None:
         hx = tuple(repeat(h) for h in hx) if isinstance(hx, tuple) else repeat(hx)
 
-    spec = "tbg,tbi->gi" if summed else "tbg,tbi->bgi"
     result = {}
     for suffix, (delta, seq, h_prev) in _rerun(module, x, hx, grads, h_n).items():
         for name, other in ((f"weight_ih{suffix}", seq), (f"weight_hh{suffix}", h_prev)):
             if name in names:
-                result[name] = torch.einsum(spec, delta, other)
+                result[name] = (
+                    gram(delta, other) if summed else torch.einsum("tbg,tbi->bgi", delta, other)
+                )
         for name in (f"bias_ih{suffix}", f"bias_hh{suffix}"):
             if name in names:
                 result[name] = delta.sum((0, 1)) if summed else delta.sum(0)
