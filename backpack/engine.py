@@ -147,15 +147,22 @@ class _Quantities:
         return {k: _variance_from_sums(sgs[k], gsum[k], self.n) for k in sgs}
 
 
-def variance_waits_for_grad(param: Tensor) -> bool:
+#: `Variance` computes a gradient sum itself below this many (sample, entry) products: the
+#: coverage check that waiting for autograd's sum needs on every pass costs about 100 us of
+#: Python per parameter, a product of this size about as much (2 CPU threads)
+VARIANCE_WAIT_MIN_WORK = 2**23
+
+
+def variance_waits_for_grad(param: Tensor, samples: int) -> bool:
     """Whether `Variance` takes a call's gradient sum from the parameter's own gradient.
 
     Autograd computes that sum anyway, so waiting for the parameter's hook saves the rule a GEMM
     or convolution weight backward, but costs a coverage check on every pass (the sum must hold
-    only extended calls' contributions). That pays on the CPU; on GPUs the check's small kernels
-    and host syncs cost more than the GEMM (measured on an H100), so there the rule computes it.
+    only extended calls' contributions). That pays on the CPU for large products (`samples`
+    times the parameter's size); on GPUs the check's small kernels and host syncs cost more
+    than the GEMM (measured on an H100), so there the rule computes it.
     """
-    return param.device.type == "cpu"
+    return param.device.type == "cpu" and samples * param.numel() >= VARIANCE_WAIT_MIN_WORK
 
 
 def _variance_from_sums(
@@ -986,18 +993,20 @@ class Engine:
         # nobody else stores these sums: the variance may be computed in their place
         private = len(variances) == 1 and all(e.quantity != "sum_grad_squared" for e in builtin)
         private = private and self.sync is None  # distributed: the sums are reduced later
-        if variances:
+        # one decision per call: the rule computes the sums of all its parameters at once
+        wait = bool(variances) and not own_sums and self.sync is None  # distributed: reduced later
+        wait = wait and any(variance_waits_for_grad(params[name], n) for name in direct)
+        if wait:
             # the fallback below may run after the record is freed
             # a private copy survives `record.free()` and is never counted
             quantities.record = record.copy(extra={})
         psg = quantities._psg
-        sums = quantities.get("grad_sum") if own_sums else {}
+        # not waiting: the sums now, while the rule's per-call caches are still there
+        sums = quantities.get("grad_sum") if variances and not wait else {}
         for name in direct:
             part = None if psg is None else psg[name]
             if part is None and name in sums:
                 part = sums[name].unsqueeze(0)  # the probes read it like one sample's gradient
-            wait = bool(variances) and not own_sums and variance_waits_for_grad(params[name])
-            wait = wait and self.sync is None  # distributed: the sums are reduced later
             coverage = self._cover(record, grads, rule, name, params[name], part, wait)
             for ext in variances:
                 fallback = partial(_grad_sum_of, quantities, name)
