@@ -333,7 +333,7 @@ def _blocks_dot(blocks: Blocks) -> Tensor:
 
 
 def _blocks_sum(blocks: Blocks) -> Tensor:
-    parts = [torch.einsum("nto,nti->oi", g, x) for x, g in blocks]
+    parts = [gram(g, x) for x, g in blocks]
     return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
 
 

@@ -142,7 +142,7 @@ class LinearRule(ModuleRule):
         x, g = _flat(record, grad_outputs)
         result = {}
         if "weight" in names:
-            result["weight"] = torch.einsum("nto,nti->oi", g, x)
+            result["weight"] = gram(g, x)
         if "bias" in names:
             result["bias"] = g.sum((0, 1))
         return result
