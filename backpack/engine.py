@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from backpack import distributed, secondorder
+from backpack import distributed, grads_from_samples, secondorder
 from backpack.context import CTX
 from backpack.extensions.backprop_extension import (
     FAIL_ERROR,
@@ -576,6 +576,9 @@ class Engine:
         #: torch.distributed: makes quantities global at the end of each pass (or None)
         self.sync = distributed.make_sync(sync, self.extensions)
         self._task_id: int | None = None
+        #: during a `backward()` whose convolution `.grad` is derived (`grads_from_samples`):
+        #: id(parameter) -> sum of its per-sample gradients so far (None: not derived)
+        self._derived_sums: dict[int, Tensor | None] | None = None
         self.reset()
 
     # --- pass bookkeeping --------------------------------------------------------------------
@@ -930,6 +933,8 @@ class Engine:
         placement = self.layout.placement(record)
         if rule.batch_size(record) == 0 and placement is None:
             _store_empty_first_order(builtin, params)
+            for p in params.values():
+                self._add_derived(p, p.new_zeros(0, *p.shape))
             return False
         direct, shared = self._split_uses(record, params)
         if direct:
@@ -989,6 +994,10 @@ class Engine:
                 setattr(params[name], ext.savefield, values[name])
         for name in direct:
             self._written.add(id(params[name]))
+        if self._derived_sums is not None:
+            for name in direct:
+                if id(params[name]) in self._derived_sums:
+                    self._add_derived(params[name], quantities.psg()[name])
         sgs = quantities.get("sum_grad_squared") if variances else {}
         # nobody else stores these sums: the variance may be computed in their place
         private = len(variances) == 1 and all(e.quantity != "sum_grad_squared" for e in builtin)
@@ -1018,11 +1027,60 @@ class Engine:
                 if self.sync is not None:  # distributed: the local sums of the global variance
                     self.sync.stash_variance(params[name], ext.savefield, sgs[name], fallback(), n)
 
+    def _add_derived(self, param: Tensor, per_sample: Tensor) -> None:
+        """Sum a call's per-sample gradients of `param` if its `.grad` is derived from them."""
+        sums = self._derived_sums
+        if sums is None or id(param) not in sums:
+            return
+        total = per_sample.detach().sum(0)
+        previous = sums[id(param)]
+        sums[id(param)] = total if previous is None else previous + total
+
+    def plan_grads_from_samples(
+        self, roots: list[Tensor], arguments: dict[str, Any]
+    ) -> tuple[list[Tensor], list[Tensor]] | None:
+        """(leaves to request, parameters whose `.grad` is derived) for one `backward()`.
+
+        Only for `BatchGrad` alone (without subsampling, not distributed) on a plain
+        `backward()` (no `inputs`, no `create_graph`); see `backpack.grads_from_samples`.
+        """
+        if (
+            not grads_from_samples.ENABLED
+            or self._derived_sums is not None
+            or not self.extensions
+            or self.sync is not None
+            or arguments.get("create_graph")
+            or arguments.get("inputs") is not None
+            or arguments.get("grad_variables") is not None
+            or not grads_from_samples.accumulator_hooks_unlikely()
+        ):
+            return None
+        for ext in self.extensions:
+            if not isinstance(ext, FirstOrderBackpropExtension) or ext.quantity != "grad_batch":
+                return None
+            if ext.get_subsampling() is not None:
+                return None
+
+        def allowed(module: nn.Module) -> bool:
+            return all(ext.get_module_extension(module) is None for ext in self.extensions)
+
+        found = grads_from_samples.plan(roots, allowed)
+        if found is not None:
+            self._derived_sums = {id(p): None for p in found[1]}
+        return found
+
+    def finish_grads_from_samples(self, derived: list[Tensor], succeeded: bool) -> None:
+        """After the `backward()`: accumulate the derived `.grad`s (if it succeeded)."""
+        sums, self._derived_sums = self._derived_sums or {}, None
+        if succeeded:
+            grads_from_samples.assign(derived, {k: v for k, v in sums.items() if v is not None})
+
     def _finalize_accumulator(self, acc: _Accumulator) -> None:
         self._accumulators.pop(id(acc.param), None)
         psg = acc.per_sample_grads()
         if psg is None:
             return
+        self._add_derived(acc.param, psg)
         quantities = _Quantities(None, None, (), ["p"], psg.shape[0], psg={"p": psg})
         for ext in self.first_order:
             value = quantities.get(ext.quantity, ext.get_subsampling())["p"]
@@ -1619,12 +1677,39 @@ class _BackwardRoots:
             return (original or _TORCH_BACKWARD)(tensors, *args, **kwargs)
         roots = [tensors] if isinstance(tensors, Tensor) else list(tensors)
         handles = engine.start_backward(roots)
+        derived: list[Tensor] | None = None
+        succeeded = False
         try:
-            return original(tensors, *args, **kwargs)
+            arguments = _backward_arguments(args, kwargs)
+            found = None if arguments is None else engine.plan_grads_from_samples(roots, arguments)
+            if found is not None:
+                requested, derived = found
+                arguments["inputs"] = requested
+                result = original(tensors, **arguments)
+            else:
+                result = original(tensors, *args, **kwargs)
+            succeeded = True
+            return result
         finally:
             for handle in handles:
                 handle.remove()
             engine.end_backward()
+            if derived is not None:
+                engine.finish_grads_from_samples(derived, succeeded)
+
+
+_BACKWARD_PARAMETERS = ("grad_tensors", "retain_graph", "create_graph", "grad_variables", "inputs")
+
+
+def _backward_arguments(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """`torch.autograd.backward`'s arguments after `tensors` by name (None if unrecognised)."""
+    if len(args) > len(_BACKWARD_PARAMETERS) or not set(kwargs) <= set(_BACKWARD_PARAMETERS):
+        return None
+    arguments = dict(zip(_BACKWARD_PARAMETERS, args))
+    if set(arguments) & set(kwargs):
+        return None
+    arguments.update(kwargs)
+    return arguments
 
 
 _TORCH_BACKWARD = torch.autograd.backward

@@ -1,0 +1,138 @@
+"""`.grad` of convolution parameters as the sum of their per-sample gradients.
+
+With `BatchGrad` active, the per-sample gradients of a convolution's weight already hold its
+gradient: their sum over samples. Autograd would compute it a second time, a weight backward as
+expensive as the per-sample one. A `backward()` inside `with backpack(BatchGrad())` therefore
+asks autograd only for the other leaves (`backward(inputs=...)`, which skips the weight
+backward), and sets `.grad` of these parameters from the per-sample gradients afterwards. The
+result equals autograd's up to the order of summation (rounding).
+
+A parameter qualifies only where that is exactly its gradient: every use in the graph is the
+convolution of an extended module that records it (`ConvolutionBackward0` carrying the
+module's record), no hook waits for its gradient, and the call's input needs a gradient itself
+(so that autograd still runs the node and its hook, see `plan`).
+
+Autograd does not run the parameter's gradient accumulator then, so hooks registered on that
+node itself (not on the tensor) would not run. Tensor hooks are detected; accumulator hooks
+are what `torch.distributed` (DDP, FSDP) and Horovod register, so the derivation is off while
+either is in use. Set `ENABLED = False` to keep autograd's own sum everywhere.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from backpack.recording import _META_KEY, walk_nodes
+
+ENABLED: bool = True
+"""Whether `BatchGrad` alone sums convolution `.grad`s from the per-sample gradients where that
+is exact (True by default; False keeps autograd's own gradient everywhere)."""
+
+#: autograd nodes whose parameter edges come from exactly one convolution call
+_CONV_NODES = ("ConvolutionBackward0",)
+#: convolution node inputs: (input, weight, bias)
+_WEIGHT, _BIAS = 1, 2
+
+
+def accumulator_hooks_unlikely() -> bool:
+    """False while a library that hooks gradient accumulators is in use (DDP, Horovod)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return False
+    return "horovod.torch" not in sys.modules
+
+
+def _hooked(param: Tensor) -> bool:
+    """Whether something waits for `param`'s gradient (tensor or post-accumulate hooks)."""
+    return bool(getattr(param, "_backward_hooks", None)) or bool(
+        getattr(param, "_post_accumulate_grad_hooks", None)
+    )
+
+
+def _recorded_conv_use(
+    node: Any, index: int, param: Tensor, allowed: Callable[[nn.Module], bool]
+) -> bool:
+    """Whether edge `index` of `node` is `param`'s use by a recorded convolution module call."""
+    if node.name() not in _CONV_NODES or index not in (_WEIGHT, _BIAS):
+        return False
+    for record, _, _ in node.metadata.get(_META_KEY, ()):
+        module = record.module
+        if record.disabled or record.freed or not isinstance(module, nn.modules.conv._ConvNd):
+            continue
+        if not allowed(module):
+            continue
+        owned = module.weight if index == _WEIGHT else module.bias
+        # the input must need a gradient: otherwise autograd, asked for no leaf behind this
+        # node, would skip it and its hook (the per-sample gradients) altogether
+        edges = record.input_edges
+        if owned is param and edges and edges[0] is not None:
+            return True
+    return False
+
+
+def plan(
+    roots: list[Tensor], allowed: Callable[[nn.Module], bool]
+) -> tuple[list[Tensor], list[Tensor]] | None:
+    """The leaves to request from autograd and the parameters whose `.grad` is derived.
+
+    `allowed(module)` says whether the engine computes the module's per-sample gradients
+    itself. None if no parameter qualifies (then the backward runs unchanged).
+    """
+    stack = [t.grad_fn for t in roots if isinstance(t, Tensor) and t.grad_fn is not None]
+    if len(stack) != len(roots):
+        return None
+    leaves: dict[int, Tensor] = {}
+    #: id(leaf) -> whether every use seen so far is a recorded convolution call
+    qualifies: dict[int, bool] = {}
+    for node in walk_nodes(stack):
+        for index, (child, _) in enumerate(node.next_functions):
+            if child is None:
+                continue
+            leaf = getattr(child, "variable", None)
+            if leaf is None:
+                stack.append(child)
+                continue
+            key = id(leaf)
+            leaves[key] = leaf
+            use_ok = _recorded_conv_use(node, index, leaf, allowed)
+            qualifies[key] = qualifies.get(key, True) and use_ok
+    derived = [
+        leaf
+        for key, leaf in leaves.items()
+        if qualifies[key]
+        and isinstance(leaf, nn.Parameter)
+        and leaf.requires_grad
+        and not leaf.is_sparse
+        and leaf.is_contiguous()
+        and not _hooked(leaf)
+        and (leaf.grad is None or (leaf.grad.is_contiguous() and not leaf.grad.is_sparse))
+    ]
+    if not derived:
+        return None
+    chosen = {id(p) for p in derived}
+    requested = [leaf for key, leaf in leaves.items() if key not in chosen]
+    if not requested:
+        return None  # backward(inputs=[]) is an error; nothing to gain without other leaves
+    return requested, derived
+
+
+def assign(derived: list[Tensor], sums: dict[int, Tensor]) -> None:
+    """Accumulate each derived parameter's summed per-sample gradients into its `.grad`."""
+    missing = [p for p in derived if id(p) not in sums]
+    if missing:
+        raise RuntimeError(
+            "backpack: the per-sample gradients of some convolution parameters were not "
+            "computed, so their .grad cannot be derived from them. This is a bug in backpack; "
+            "set backpack.grads_from_samples.ENABLED = False to work around it."
+        )
+    with torch.no_grad():
+        for p in derived:
+            total = sums[id(p)].to(p.dtype)
+            if p.grad is None:
+                p.grad = total
+            else:
+                p.grad.add_(total)

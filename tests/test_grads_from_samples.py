@@ -1,0 +1,253 @@
+"""`.grad` of convolutions summed from `BatchGrad`'s per-sample gradients.
+
+Where a convolution parameter's every use is a recorded module call, a `backward()` with
+`BatchGrad` alone skips autograd's weight backward and sums the per-sample gradients instead:
+the same `.grad` up to rounding. Everywhere else autograd's own gradient is kept, bit for bit.
+"""
+
+import copy
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from backpack import backpack, extend, grads_from_samples
+from backpack.context import CTX
+from backpack.extensions import BatchGrad, BatchL2Grad
+
+DTYPE = torch.float64
+TOL = {"rtol": 1e-12, "atol": 1e-15}
+
+
+def conv_net(conv=nn.Conv2d, size=(6, 6), **kwargs):
+    """Two convolutions (the second one's input needs a gradient) and a linear head."""
+    layers = nn.Sequential(
+        conv(2, 4, 3, padding=1, **kwargs), nn.ReLU(), conv(4, 4, 3, stride=2, **kwargs), nn.ReLU()
+    )
+    with torch.no_grad():
+        features = layers(torch.zeros(1, 2, *size)).numel()
+    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(features, 3)).to(DTYPE)
+
+
+def data(size=(6, 6), n=5, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 2, *size, generator=gen, dtype=DTYPE)
+    return x, torch.randint(0, 3, (n,), generator=gen)
+
+
+@pytest.fixture
+def derived(monkeypatch):
+    """The parameters whose `.grad` the last backward summed from per-sample gradients."""
+    seen: list = []
+    original = grads_from_samples.assign
+
+    def spy(params, sums):
+        seen[:] = list(params)
+        original(params, sums)
+
+    monkeypatch.setattr(grads_from_samples, "assign", spy)
+    return seen
+
+
+def plain_grads(model, x, y, loss_fn=None):
+    plain = copy.deepcopy(model)
+    (loss_fn or nn.functional.cross_entropy)(plain(x), y).backward()
+    return {name: p.grad for name, p in plain.named_parameters()}
+
+
+def ids(params):
+    return {id(p) for p in params}
+
+
+CONVS = {
+    "conv1d": (nn.Conv1d, (7,), {}),
+    "conv2d-groups-dilation": (nn.Conv2d, (9, 10), {"groups": 2, "dilation": 2}),
+    "conv3d": (nn.Conv3d, (4, 5, 4), {"bias": False}),
+    "conv-transpose2d": (nn.ConvTranspose2d, (4, 3), {}),
+}
+
+
+@pytest.mark.parametrize("case", CONVS, ids=list(CONVS))
+def test_interior_convolutions_sum_their_per_sample_gradients(case, derived):
+    conv, size, kwargs = CONVS[case]
+    torch.manual_seed(0)
+    model = conv_net(conv, size, **kwargs)
+    x, y = data(size)
+    expected = plain_grads(model, x, y)
+    extend(model)
+    with backpack(BatchGrad()):
+        nn.functional.cross_entropy(model(x), y).backward()
+    # the first convolution's input needs no gradient: autograd must run its node anyway
+    assert ids(derived) == ids(p for p in model[2].parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], **TOL)
+        torch.testing.assert_close(p.grad_batch.sum(0), p.grad, **TOL)
+
+
+def test_derived_gradients_accumulate_like_autograds(derived):
+    torch.manual_seed(0)
+    model = extend(conv_net())
+    x, y = data()
+    expected = plain_grads(model, x, y)
+    nn.functional.cross_entropy(model(x), y).backward()  # .grad already holds one gradient
+    loss = nn.functional.cross_entropy(model(x), y)
+    with backpack(BatchGrad(), retain_graph=True):
+        loss.backward(retain_graph=True)
+        loss.backward()
+    assert derived
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, 3 * expected[name], **TOL)
+
+
+def test_an_input_that_needs_a_gradient_lets_the_first_convolution_sum_too(derived):
+    torch.manual_seed(0)
+    model = extend(conv_net())
+    x, y = data()
+    x.requires_grad_(True)
+    expected = plain_grads(model, x, y)
+    expected_x = x.grad.clone()
+    x.grad = None
+    with backpack(BatchGrad()):
+        nn.functional.cross_entropy(model(x), y).backward()
+    assert ids(derived) == ids([*model[0].parameters(), *model[2].parameters()])
+    torch.testing.assert_close(x.grad, expected_x, rtol=0, atol=0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], **TOL)
+
+
+def test_a_convolution_used_twice_sums_both_calls(derived):
+    torch.manual_seed(0)
+    model = conv_net()
+    x, y = data()
+    x2, _ = data(seed=1)
+
+    def loss_of(m):
+        return nn.functional.cross_entropy(m(x), y) + nn.functional.cross_entropy(m(x2), y)
+
+    plain = copy.deepcopy(model)
+    loss_of(plain).backward()
+    extend(model)
+    with backpack(BatchGrad()):
+        loss_of(model).backward()
+    assert ids(derived) == ids(model[2].parameters())
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **TOL)
+
+
+def _regularised(model, x, y):
+    return nn.functional.cross_entropy(model(x), y) + 0.1 * model[2].weight.square().sum()
+
+
+def _hooked(model):
+    calls = []
+    model[2].weight.register_hook(lambda g: calls.append(g.clone()))
+    return calls
+
+
+def _post_accumulate_hooked(model):
+    calls = []
+    model[2].weight.register_post_accumulate_grad_hook(lambda p: calls.append(p.grad.clone()))
+    return calls
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["regulariser", "tensor-hook", "post-accumulate-hook", "subsampling", "with-batch-l2",
+     "inputs", "disabled", "horovod"],
+)
+def test_autograds_own_gradient_where_summing_is_not_exact_or_not_safe(case, monkeypatch):
+    """Bit-equal to plain autograd; hooks on the parameter run with autograd's gradient."""
+    torch.manual_seed(0)
+    model = conv_net()
+    x, y = data()
+    loss_fn = _regularised if case == "regulariser" else (
+        lambda m, x, y: nn.functional.cross_entropy(m(x), y)
+    )
+    plain = copy.deepcopy(model)
+    plain_calls = _hooked(plain) if case == "tensor-hook" else []
+    loss_fn(plain, x, y).backward()
+    extend(model)
+    calls = []
+    if case == "tensor-hook":
+        calls = _hooked(model)
+    if case == "post-accumulate-hook":
+        calls = _post_accumulate_hooked(model)
+    if case == "disabled":
+        monkeypatch.setattr(grads_from_samples, "ENABLED", False)
+    if case == "horovod":
+        monkeypatch.setitem(sys.modules, "horovod.torch", object())
+    extensions = {
+        "subsampling": [BatchGrad(subsampling=[0, 2])],
+        "with-batch-l2": [BatchGrad(), BatchL2Grad()],
+    }.get(case, [BatchGrad()])
+    planned = []
+    original = grads_from_samples.assign
+
+    def spy(params, sums):
+        planned.append(list(params))
+        original(params, sums)
+
+    monkeypatch.setattr(grads_from_samples, "assign", spy)
+    loss = loss_fn(model, x, y)
+    with backpack(*extensions):
+        if case == "inputs":
+            loss.backward(inputs=list(model.parameters()))
+        else:
+            loss.backward()
+    summed = {id(p) for params in planned for p in params}
+    for p, q in zip(model.parameters(), plain.parameters()):
+        if id(p) in summed:
+            torch.testing.assert_close(p.grad, q.grad, **TOL)
+        else:
+            assert torch.equal(p.grad, q.grad)
+    assert id(model[2].weight) not in summed
+    if case == "tensor-hook":
+        assert len(calls) == 1 and torch.equal(calls[0], plain_calls[0])
+    elif case == "post-accumulate-hook":
+        assert len(calls) == 1 and torch.equal(calls[0], plain.get_parameter("2.weight").grad)
+    if case in ("regulariser", "tensor-hook", "post-accumulate-hook"):
+        assert summed == {id(model[2].bias)}  # the layer's other parameter still qualifies
+    else:
+        assert not planned
+
+
+def test_samples_mixed_downstream_still_sum_to_the_gradient(derived):
+    """BatchNorm in train mode after a convolution: its per-sample gradients are not those of
+    separate samples, but Σ_n g_n x_nᵀ over the call's own output gradients still is the
+    weight gradient."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Conv2d(3, 3, 3), nn.BatchNorm2d(3), nn.Flatten()
+    ).to(DTYPE)
+    x, _ = data()
+    expected = plain_grads(model, x, None, lambda out, _: out.square().sum())
+    extend(model)
+    with pytest.warns(UserWarning, match="mixes samples"), backpack(BatchGrad()):
+        model(x).square().sum().backward()
+    assert ids(derived) == ids(model[2].parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], **TOL)
+
+
+def test_an_error_in_the_backward_leaves_no_state_and_no_partial_gradient(derived):
+    torch.manual_seed(0)
+    model = extend(conv_net())
+    x, y = data()
+
+    def fail(module):
+        raise ValueError("stop")
+
+    with pytest.raises(ValueError, match="stop"), backpack(BatchGrad(), extension_hook=fail):
+        nn.functional.cross_entropy(model(x), y).backward()
+    assert not derived
+    assert all(p.grad is None for p in model[2].parameters())
+    assert not CTX.engines
+    expected = plain_grads(model, x, y)
+    for p in model.parameters():
+        p.grad = None
+    with backpack(BatchGrad()):
+        nn.functional.cross_entropy(model(x), y).backward()
+    assert derived
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], **TOL)
