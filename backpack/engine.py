@@ -134,6 +134,8 @@ class _Quantities:
 
     def fuse_sums(self) -> bool:
         """Compute `grad_sum` and `sum_grad_squared` in one fused pass if the rule can."""
+        if "grad_sum" in self._cache and "sum_grad_squared" in self._cache:
+            return True
         if self.rule is None or self._psg is not None:
             return False
         fused = self.rule.grad_sum_and_squares(self.record, self.grads, self.names)
@@ -141,6 +143,27 @@ class _Quantities:
             return False
         self._cache["grad_sum"], self._cache["sum_grad_squared"] = fused
         return True
+
+    def fuse_gradient(self, wanted: set[str]) -> None:
+        """Let the quantities in `wanted` bring this call's gradient along where the rule can.
+
+        For `.grad` summed from per-sample gradients (`backpack.grads_from_samples`): the
+        gradient then costs no weight backward of its own.
+        """
+        if self.rule is None or self._psg is not None or "grad_batch" in wanted:
+            return  # the per-sample gradients are summed
+        if wanted & {"sum_grad_squared", "variance"} and self.fuse_sums():
+            return
+        if "batch_l2" in wanted:
+            fused = self.rule.batch_l2_and_sum(self.record, self.grads, self.names)
+            if fused is not None:
+                self._cache["batch_l2"], self._cache["grad_sum"] = fused
+
+    def gradient(self) -> dict[str, Tensor]:
+        """This call's gradient: summed per-sample gradients, fused sums, or the rule's own."""
+        if self._psg is not None:
+            return {k: v.sum(0) for k, v in self._psg.items()}
+        return self.get("grad_sum")
 
     def _variance(self, _: Any) -> dict[str, Tensor]:
         sgs, gsum = self.get("sum_grad_squared"), self.get("grad_sum")
@@ -934,7 +957,7 @@ class Engine:
         if rule.batch_size(record) == 0 and placement is None:
             _store_empty_first_order(builtin, params)
             for p in params.values():
-                self._add_derived(p, p.new_zeros(0, *p.shape))
+                self._add_derived(p, torch.zeros_like(p))
             return False
         direct, shared = self._split_uses(record, params)
         if direct:
@@ -971,6 +994,10 @@ class Engine:
         """First-order quantities of parameters only this call uses in the pass."""
         n = rule.batch_size(record) if placement is None else placement[1]
         quantities = _Quantities(rule, record, grads, direct, n)
+        summing = self._derived_sums
+        derived = [] if summing is None else [k for k in direct if id(params[k]) in summing]
+        if derived:
+            quantities.fuse_gradient({e.quantity for e in builtin})
         variances = [e for e in builtin if e.quantity == "variance"]
         # the rule's own gradient sum (from the chunks it squares anyway) spares the variance
         # waiting for autograd's, and that wait's coverage check on every pass
@@ -994,10 +1021,10 @@ class Engine:
                 setattr(params[name], ext.savefield, values[name])
         for name in direct:
             self._written.add(id(params[name]))
-        if self._derived_sums is not None:
-            for name in direct:
-                if id(params[name]) in self._derived_sums:
-                    self._add_derived(params[name], quantities.psg()[name])
+        if derived:
+            gradient = quantities.gradient()
+            for name in derived:
+                self._add_derived(params[name], gradient[name])
         sgs = quantities.get("sum_grad_squared") if variances else {}
         # nobody else stores these sums: the variance may be computed in their place
         private = len(variances) == 1 and all(e.quantity != "sum_grad_squared" for e in builtin)
@@ -1027,22 +1054,22 @@ class Engine:
                 if self.sync is not None:  # distributed: the local sums of the global variance
                     self.sync.stash_variance(params[name], ext.savefield, sgs[name], fallback(), n)
 
-    def _add_derived(self, param: Tensor, per_sample: Tensor) -> None:
-        """Sum a call's per-sample gradients of `param` if its `.grad` is derived from them."""
+    def _add_derived(self, param: Tensor, gradient: Tensor) -> None:
+        """Add a call's gradient of `param` if its `.grad` is summed from per-sample gradients."""
         sums = self._derived_sums
         if sums is None or id(param) not in sums:
             return
-        total = per_sample.detach().sum(0)
+        gradient = gradient.detach()
         previous = sums[id(param)]
-        sums[id(param)] = total if previous is None else previous + total
+        sums[id(param)] = gradient if previous is None else previous + gradient
 
     def plan_grads_from_samples(
         self, roots: list[Tensor], arguments: dict[str, Any]
     ) -> tuple[list[Tensor], list[Tensor]] | None:
         """(leaves to request, parameters whose `.grad` is derived) for one `backward()`.
 
-        Only for `BatchGrad` alone (without subsampling, not distributed) on a plain
-        `backward()` (no `inputs`, no `create_graph`); see `backpack.grads_from_samples`.
+        Only for first-order extensions alone (without subsampling, not distributed) on a
+        plain `backward()` (no `inputs`, no `create_graph`); see `backpack.grads_from_samples`.
         """
         if (
             not grads_from_samples.ENABLED
@@ -1056,9 +1083,9 @@ class Engine:
         ):
             return None
         for ext in self.extensions:
-            if not isinstance(ext, FirstOrderBackpropExtension) or ext.quantity != "grad_batch":
+            if not isinstance(ext, FirstOrderBackpropExtension):
                 return None
-            if ext.get_subsampling() is not None:
+            if ext.quantity not in _SUMMABLE or ext.get_subsampling() is not None:
                 return None
 
         def allowed(module: nn.Module) -> bool:
@@ -1080,7 +1107,7 @@ class Engine:
         psg = acc.per_sample_grads()
         if psg is None:
             return
-        self._add_derived(acc.param, psg)
+        self._add_derived(acc.param, psg.sum(0))
         quantities = _Quantities(None, None, (), ["p"], psg.shape[0], psg={"p": psg})
         for ext in self.first_order:
             value = quantities.get(ext.quantity, ext.get_subsampling())["p"]
@@ -1697,6 +1724,9 @@ class _BackwardRoots:
             if derived is not None:
                 engine.finish_grads_from_samples(derived, succeeded)
 
+
+#: first-order quantities along which a call's gradient comes cheaply (`_Quantities.gradient`)
+_SUMMABLE = {"grad_batch", "batch_l2", "sum_grad_squared", "variance", "batch_dot"}
 
 _BACKWARD_PARAMETERS = ("grad_tensors", "retain_graph", "create_graph", "grad_variables", "inputs")
 

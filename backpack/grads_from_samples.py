@@ -1,11 +1,13 @@
 """`.grad` of convolution parameters as the sum of their per-sample gradients.
 
-With `BatchGrad` active, the per-sample gradients of a convolution's weight already hold its
-gradient: their sum over samples. Autograd would compute it a second time, a weight backward as
-expensive as the per-sample one. A `backward()` inside `with backpack(BatchGrad())` therefore
-asks autograd only for the other leaves (`backward(inputs=...)`, which skips the weight
-backward), and sets `.grad` of these parameters from the per-sample gradients afterwards. The
-result equals autograd's up to the order of summation (rounding).
+First-order extensions form the per-sample gradients of a convolution's weight (`BatchGrad`
+stores them, `BatchL2Grad`, `SumGradSquared` and `Variance` square them chunk by chunk), and
+their sum over samples is the gradient. Autograd would compute it a second time, a weight
+backward as expensive as the per-sample one. A `backward()` inside `with backpack(...)` with
+first-order extensions alone therefore asks autograd only for the other leaves
+(`backward(inputs=...)`, which skips the weight backward), and sets `.grad` of these parameters
+from the per-sample gradients afterwards (`_Quantities.gradient` in the engine). The result
+equals autograd's up to the order of summation (rounding).
 
 A parameter qualifies only where that is exactly its gradient: every use in the graph is the
 convolution of an extended module that records it (`ConvolutionBackward0` carrying the
@@ -30,8 +32,8 @@ from torch import Tensor, nn
 from backpack.recording import _META_KEY, walk_nodes
 
 ENABLED: bool = True
-"""Whether `BatchGrad` alone sums convolution `.grad`s from the per-sample gradients where that
-is exact (True by default; False keeps autograd's own gradient everywhere)."""
+"""Whether first-order extensions alone sum convolution `.grad`s from the per-sample gradients
+where that is exact (True by default; False keeps autograd's own gradient everywhere)."""
 
 #: autograd nodes whose parameter edges come from exactly one convolution call
 _CONV_NODES = ("ConvolutionBackward0",)

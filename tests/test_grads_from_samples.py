@@ -1,8 +1,10 @@
-"""`.grad` of convolutions summed from `BatchGrad`'s per-sample gradients.
+"""`.grad` of convolutions summed from per-sample gradients.
 
 Where a convolution parameter's every use is a recorded module call, a `backward()` with
-`BatchGrad` alone skips autograd's weight backward and sums the per-sample gradients instead:
-the same `.grad` up to rounding. Everywhere else autograd's own gradient is kept, bit for bit.
+first-order extensions alone skips autograd's weight backward and sums the per-sample gradients
+the extensions form anyway (`BatchGrad`'s, or the chunks `BatchL2Grad`, `SumGradSquared` and
+`Variance` square): the same `.grad` up to rounding. Everywhere else autograd's own gradient is
+kept, bit for bit.
 """
 
 import copy
@@ -14,7 +16,14 @@ from torch import nn
 
 from backpack import backpack, extend, grads_from_samples
 from backpack.context import CTX
-from backpack.extensions import BatchGrad, BatchL2Grad
+from backpack.extensions import (
+    BatchDotGrad,
+    BatchGrad,
+    BatchL2Grad,
+    DiagGGNMC,
+    SumGradSquared,
+    Variance,
+)
 
 DTYPE = torch.float64
 TOL = {"rtol": 1e-12, "atol": 1e-15}
@@ -85,6 +94,49 @@ def test_interior_convolutions_sum_their_per_sample_gradients(case, derived):
         torch.testing.assert_close(p.grad_batch.sum(0), p.grad, **TOL)
 
 
+EXTENSION_SETS = {
+    "batch-l2": [BatchL2Grad],
+    "sum-grad-squared": [SumGradSquared],
+    "variance": [Variance],
+    "batch-dot": [BatchDotGrad],
+    "all-first-order": [BatchGrad, BatchL2Grad, SumGradSquared, Variance, BatchDotGrad],
+}
+
+
+@pytest.mark.parametrize("case", EXTENSION_SETS, ids=list(EXTENSION_SETS))
+def test_other_first_order_extensions_sum_too_with_unchanged_quantities(
+    case, derived, monkeypatch
+):
+    torch.manual_seed(0)
+    model = conv_net()
+    x, y = data()
+    expected = plain_grads(model, x, y)
+    extend(model)
+    exts = EXTENSION_SETS[case]
+
+    def run():
+        for p in model.parameters():
+            p.grad = None
+        with backpack(*(cls() for cls in exts)):
+            nn.functional.cross_entropy(model(x), y).backward()
+        return {
+            (name, ext.savefield): getattr(p, ext.savefield).clone()
+            for name, p in model.named_parameters()
+            for ext in (cls() for cls in exts)
+        }
+
+    monkeypatch.setattr(grads_from_samples, "ENABLED", False)
+    reference = run()
+    assert not derived
+    monkeypatch.setattr(grads_from_samples, "ENABLED", True)
+    quantities = run()
+    assert ids(derived) == ids(model[2].parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], **TOL)
+    for key, value in reference.items():
+        torch.testing.assert_close(quantities[key], value, **TOL)
+
+
 def test_derived_gradients_accumulate_like_autograds(derived):
     torch.manual_seed(0)
     model = extend(conv_net())
@@ -153,7 +205,7 @@ def _post_accumulate_hooked(model):
 
 @pytest.mark.parametrize(
     "case",
-    ["regulariser", "tensor-hook", "post-accumulate-hook", "subsampling", "with-batch-l2",
+    ["regulariser", "tensor-hook", "post-accumulate-hook", "subsampling", "second-order",
      "inputs", "disabled", "horovod"],
 )
 def test_autograds_own_gradient_where_summing_is_not_exact_or_not_safe(case, monkeypatch):
@@ -164,6 +216,9 @@ def test_autograds_own_gradient_where_summing_is_not_exact_or_not_safe(case, mon
     loss_fn = _regularised if case == "regulariser" else (
         lambda m, x, y: nn.functional.cross_entropy(m(x), y)
     )
+    if case == "second-order":
+        ce = extend(nn.CrossEntropyLoss())
+        loss_fn = lambda m, x, y: ce(m(x), y)  # noqa: E731
     plain = copy.deepcopy(model)
     plain_calls = _hooked(plain) if case == "tensor-hook" else []
     loss_fn(plain, x, y).backward()
@@ -179,7 +234,7 @@ def test_autograds_own_gradient_where_summing_is_not_exact_or_not_safe(case, mon
         monkeypatch.setitem(sys.modules, "horovod.torch", object())
     extensions = {
         "subsampling": [BatchGrad(subsampling=[0, 2])],
-        "with-batch-l2": [BatchGrad(), BatchL2Grad()],
+        "second-order": [BatchGrad(), DiagGGNMC()],
     }.get(case, [BatchGrad()])
     planned = []
     original = grads_from_samples.assign

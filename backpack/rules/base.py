@@ -78,6 +78,15 @@ class ModuleRule:
         """
         return None
 
+    def batch_l2_and_sum(
+        self, record: Record, grad_outputs: GradOutputs, names: Names
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor]] | None:
+        """Fused (`[N]` squared norms, Σ_n g_n) in one pass over the per-sample gradients.
+
+        None where the norms do not form per-sample gradients (Gram forms, closed forms).
+        """
+        return None
+
     def batch_dot(self, record: Record, grad_outputs: GradOutputs, names: Names) -> Any:
         """Fused `[N, N]` Gram matrix of per-sample gradients, or None."""
         return None

@@ -130,12 +130,38 @@ class ConvRule(ModuleRule):
 
     def batch_l2(self, record: Record, grad_outputs: GradOutputs, names: Names) -> dict | None:
         """Squared norms; ghost form for the weight where cheaper, chunked when saving memory."""
+        return self._batch_l2(record, grad_outputs, names, None)
+
+    def batch_l2_and_sum(
+        self, record: Record, grad_outputs: GradOutputs, names: Names
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor]] | None:
+        """Squared norms and the gradient, where the norms come from per-sample gradients."""
+        x, g = _io(record, grad_outputs)
+        if "weight" in names and self._ghost_norms(record.module, x, g):
+            return None
+        sums: dict[str, Tensor] = {}
+        return self._batch_l2(record, grad_outputs, names, sums), sums
+
+    @staticmethod
+    def _ghost_norms(module: nn.Module, x: Tensor, g: Tensor) -> bool:
+        """Whether the weight's norms come from Gram matrices (no per-sample gradients)."""
+        _, a, b, positions = _factor_sizes(module, x, g)
+        return positions * (a + b) < a * b
+
+    def _batch_l2(
+        self,
+        record: Record,
+        grad_outputs: GradOutputs,
+        names: Names,
+        sums: dict[str, Tensor] | None,
+    ) -> dict:
+        """Squared norms; the gradient into `sums` too if given (per-sample path only)."""
         module = record.module
         x, g = _io(record, grad_outputs)
         result = {}
         if "weight" in names:
             groups, a, b, positions = _factor_sizes(module, x, g)
-            if positions * (a + b) < a * b:
+            if self._ghost_norms(module, x, g):
                 norms = []
                 per_sample = groups * max(positions**2, (a + b) * positions)
                 for part in _chunks(x.shape[0], per_sample):
@@ -147,11 +173,19 @@ class ConvRule(ModuleRule):
                 # column), squared in place: `[N, *weight]` is never formed
                 xf, f = _input_and_factor(record, (grad_outputs[0].unsqueeze(0),))
                 norms = f.new_zeros(xf.shape[0])
+                total = None if sums is None else f.new_zeros(module.weight.shape)
                 for ns, _, pairs in _pair_grads(module, xf, f):
+                    if total is not None:
+                        total += pairs.sum((0, 1)).reshape(total.shape)
                     norms[ns] += pairs.square_().flatten(1).sum(1)
                 result["weight"] = norms
+                if sums is not None:
+                    sums["weight"] = total
         if "bias" in names:
-            result["bias"] = convnd.per_sample_bias_grads(g).square().sum(1)
+            per_sample_bias = convnd.per_sample_bias_grads(g)
+            result["bias"] = per_sample_bias.square().sum(1)
+            if sums is not None:
+                sums["bias"] = per_sample_bias.sum(0)
         return result
 
     def sum_grad_squared(

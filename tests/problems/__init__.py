@@ -68,7 +68,7 @@ class Problem:
 def assert_same_grad(actual: Tensor, expected: Tensor, summed_from_samples: bool = False) -> None:
     """`.grad` with extensions equals plain autograd's: bit for bit on the CPU; on GPUs, where
     kernels with atomic adds (pooling, convolution backward) differ between two plain runs, to
-    the last few bits. With `BatchGrad` alone, convolution gradients may be the sums of the
+    the last few bits. With first-order extensions alone, convolution gradients may be sums of
     per-sample gradients (`backpack.grads_from_samples`): also equal to the last few bits."""
     exact = DEVICE.type == "cpu" and not summed_from_samples
     rtol, atol = (0.0, 0.0) if exact else (1e-13, 1e-16)
