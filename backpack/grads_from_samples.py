@@ -11,8 +11,9 @@ equals autograd's up to the order of summation (rounding).
 
 A parameter qualifies only where that is exactly its gradient: every use in the graph is the
 convolution of an extended module that records it (`ConvolutionBackward0` carrying the
-module's record), no hook waits for its gradient, and the call's input needs a gradient itself
-(so that autograd still runs the node and its hook, see `plan`).
+module's record), and no hook waits for its gradient. Where the call's input needs no
+gradient (a first layer), the node's output edge is requested too, so that autograd still runs
+the node's pre-hook, where the engine computes the per-sample gradients (see `plan`).
 
 Autograd does not run the parameter's gradient accumulator then, so hooks registered on that
 node itself (not on the tensor) would not run. Tensor hooks are detected; accumulator hooks
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge
 
 from backpack.recording import _META_KEY, walk_nodes
 
@@ -57,10 +59,13 @@ def _hooked(param: Tensor) -> bool:
 
 def _recorded_conv_use(
     node: Any, index: int, param: Tensor, allowed: Callable[[nn.Module], bool]
-) -> bool:
-    """Whether edge `index` of `node` is `param`'s use by a recorded convolution module call."""
+) -> tuple[bool, bool]:
+    """Whether edge `index` of `node` is `param`'s use by a recorded convolution module call.
+
+    Also returns whether that call's input needs no gradient (a first layer).
+    """
     if node.name() not in _CONV_NODES or index not in (_WEIGHT, _BIAS):
-        return False
+        return False, False
     for record, _, _ in node.metadata.get(_META_KEY, ()):
         module = record.module
         if record.disabled or record.freed or not isinstance(module, nn.modules.conv._ConvNd):
@@ -68,12 +73,10 @@ def _recorded_conv_use(
         if not allowed(module):
             continue
         owned = module.weight if index == _WEIGHT else module.bias
-        # the input must need a gradient: otherwise autograd, asked for no leaf behind this
-        # node, would skip it and its hook (the per-sample gradients) altogether
-        edges = record.input_edges
-        if owned is param and edges and edges[0] is not None:
-            return True
-    return False
+        if owned is param:
+            edges = record.input_edges
+            return True, not edges or edges[0] is None
+    return False, False
 
 
 def plan(
@@ -90,6 +93,8 @@ def plan(
     leaves: dict[int, Tensor] = {}
     #: id(leaf) -> whether every use seen so far is a recorded convolution call
     qualifies: dict[int, bool] = {}
+    #: id(leaf) -> nodes of its uses whose input needs no gradient
+    first_layer_nodes: dict[int, list[Any]] = {}
     for node in walk_nodes(stack):
         for index, (child, _) in enumerate(node.next_functions):
             if child is None:
@@ -100,8 +105,10 @@ def plan(
                 continue
             key = id(leaf)
             leaves[key] = leaf
-            use_ok = _recorded_conv_use(node, index, leaf, allowed)
+            use_ok, first_layer = _recorded_conv_use(node, index, leaf, allowed)
             qualifies[key] = qualifies.get(key, True) and use_ok
+            if first_layer:
+                first_layer_nodes.setdefault(key, []).append(node)
     derived = [
         leaf
         for key, leaf in leaves.items()
@@ -116,9 +123,15 @@ def plan(
     if not derived:
         return None
     chosen = {id(p) for p in derived}
-    requested = [leaf for key, leaf in leaves.items() if key not in chosen]
-    if not requested:
-        return None  # backward(inputs=[]) is an error; nothing to gain without other leaves
+    requested: list[Any] = [leaf for key, leaf in leaves.items() if key not in chosen]
+    # a call whose input needs no gradient: asked for no leaf behind its node, autograd would
+    # skip the node and its pre-hook; asking for the gradient at the node's output runs the
+    # pre-hook without the weight backward
+    nodes: dict[int, Any] = {}
+    for key in chosen:
+        for node in first_layer_nodes.get(key, ()):
+            nodes[id(node)] = node
+    requested.extend(GradientEdge(node, 0) for node in nodes.values())
     return requested, derived
 
 

@@ -30,7 +30,7 @@ TOL = {"rtol": 1e-12, "atol": 1e-15}
 
 
 def conv_net(conv=nn.Conv2d, size=(6, 6), **kwargs):
-    """Two convolutions (the second one's input needs a gradient) and a linear head."""
+    """Two convolutions (only the second one's input needs a gradient) and a linear head."""
     layers = nn.Sequential(
         conv(2, 4, 3, padding=1, **kwargs), nn.ReLU(), conv(4, 4, 3, stride=2, **kwargs), nn.ReLU()
     )
@@ -78,7 +78,7 @@ CONVS = {
 
 
 @pytest.mark.parametrize("case", CONVS, ids=list(CONVS))
-def test_interior_convolutions_sum_their_per_sample_gradients(case, derived):
+def test_convolutions_sum_their_per_sample_gradients(case, derived):
     conv, size, kwargs = CONVS[case]
     torch.manual_seed(0)
     model = conv_net(conv, size, **kwargs)
@@ -87,8 +87,8 @@ def test_interior_convolutions_sum_their_per_sample_gradients(case, derived):
     extend(model)
     with backpack(BatchGrad()):
         nn.functional.cross_entropy(model(x), y).backward()
-    # the first convolution's input needs no gradient: autograd must run its node anyway
-    assert ids(derived) == ids(p for p in model[2].parameters())
+    # the first convolution's input needs no gradient: its node runs for the output's gradient
+    assert ids(derived) == ids([*model[0].parameters(), *model[2].parameters()])
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[name], **TOL)
         torch.testing.assert_close(p.grad_batch.sum(0), p.grad, **TOL)
@@ -130,7 +130,7 @@ def test_other_first_order_extensions_sum_too_with_unchanged_quantities(
     assert not derived
     monkeypatch.setattr(grads_from_samples, "ENABLED", True)
     quantities = run()
-    assert ids(derived) == ids(model[2].parameters())
+    assert ids(derived) == ids([*model[0].parameters(), *model[2].parameters()])
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[name], **TOL)
     for key, value in reference.items():
@@ -152,7 +152,7 @@ def test_derived_gradients_accumulate_like_autograds(derived):
         torch.testing.assert_close(p.grad, 3 * expected[name], **TOL)
 
 
-def test_an_input_that_needs_a_gradient_lets_the_first_convolution_sum_too(derived):
+def test_an_input_that_needs_a_gradient_gets_autograds_gradient(derived):
     torch.manual_seed(0)
     model = extend(conv_net())
     x, y = data()
@@ -182,7 +182,7 @@ def test_a_convolution_used_twice_sums_both_calls(derived):
     extend(model)
     with backpack(BatchGrad()):
         loss_of(model).backward()
-    assert ids(derived) == ids(model[2].parameters())
+    assert ids(derived) == ids([*model[0].parameters(), *model[2].parameters()])
     for p, q in zip(model.parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad, q.grad, **TOL)
 
@@ -262,7 +262,8 @@ def test_autograds_own_gradient_where_summing_is_not_exact_or_not_safe(case, mon
     elif case == "post-accumulate-hook":
         assert len(calls) == 1 and torch.equal(calls[0], plain.get_parameter("2.weight").grad)
     if case in ("regulariser", "tensor-hook", "post-accumulate-hook"):
-        assert summed == {id(model[2].bias)}  # the layer's other parameter still qualifies
+        # the layer's other parameter and the first layer still qualify
+        assert summed == ids([*model[0].parameters(), model[2].bias])
     else:
         assert not planned
 
@@ -280,7 +281,7 @@ def test_samples_mixed_downstream_still_sum_to_the_gradient(derived):
     extend(model)
     with pytest.warns(UserWarning, match="mixes samples"), backpack(BatchGrad()):
         model(x).square().sum().backward()
-    assert ids(derived) == ids(model[2].parameters())
+    assert ids(derived) == ids([*model[0].parameters(), *model[2].parameters()])
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[name], **TOL)
 
