@@ -41,6 +41,19 @@ where that is exact (True by default; False keeps autograd's own gradient everyw
 _CONV_NODES = ("ConvolutionBackward0",)
 #: convolution node inputs: (input, weight, bias)
 _WEIGHT, _BIAS = 1, 2
+#: the forwards whose single convolution op the rules describe (a subclass that overrides
+#: `forward` may feed the op something else than its recorded input)
+_CONV_FORWARDS = {
+    cls.forward
+    for cls in (
+        nn.Conv1d,
+        nn.Conv2d,
+        nn.Conv3d,
+        nn.ConvTranspose1d,
+        nn.ConvTranspose2d,
+        nn.ConvTranspose3d,
+    )
+}
 
 
 def accumulator_hooks_unlikely() -> bool:
@@ -68,7 +81,7 @@ def _recorded_conv_use(
         return False, False
     for record, _, _ in node.metadata.get(_META_KEY, ()):
         module = record.module
-        if record.disabled or record.freed or not isinstance(module, nn.modules.conv._ConvNd):
+        if record.disabled or record.freed or type(module).forward not in _CONV_FORWARDS:
             continue
         if not allowed(module):
             continue

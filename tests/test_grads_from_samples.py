@@ -307,3 +307,138 @@ def test_an_error_in_the_backward_leaves_no_state_and_no_partial_gradient(derive
     assert derived
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[name], **TOL)
+
+
+# --- set-ups where a summed gradient could go wrong ------------------------------------------
+def test_several_weighted_losses_sum_to_autograds_gradient(derived):
+    """Two losses on two forwards, one negatively weighted: the sum covers both calls."""
+    torch.manual_seed(0)
+    model = conv_net()
+    (x, y), (x2, y2) = data(), data(seed=1)
+
+    def loss_of(m):
+        ce = nn.functional.cross_entropy
+        return ce(m(x), y) - 0.3 * ce(m(x2), y2, reduction="sum")
+
+    plain = copy.deepcopy(model)
+    loss_of(plain).backward()
+    extend(model)
+    with backpack(BatchGrad(), Variance()):
+        loss_of(model).backward()
+    assert ids(derived) == ids([*model[0].parameters(), *model[2].parameters()])
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **TOL)
+
+
+def test_threads_reproduce_single_threaded_gradients(derived):
+    from thread_checks import assert_threads_reproduce
+
+    setups = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        setups.append((extend(conv_net()), *data(seed=seed)))
+
+    def step(i):
+        model, x, y = setups[i]
+        model.zero_grad()
+        with backpack(BatchGrad(), BatchL2Grad()):
+            nn.functional.cross_entropy(model(x), y).backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    model, x, y = setups[0]
+    expected = plain_grads(model, x, y)
+    for name, grad in step(0).items():
+        torch.testing.assert_close(grad, expected[name], **TOL)
+    assert derived
+    assert_threads_reproduce(step, 3, 5)
+
+
+def test_autocast_keeps_autograds_gradient(derived):
+    """Under autocast the weight reaches the convolution through a cast: not summed."""
+    torch.manual_seed(0)
+    model = conv_net().float()
+    x, y = data()
+    x = x.float()
+    plain = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = nn.functional.cross_entropy(plain(x), y)
+    loss.backward()
+    extend(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = nn.functional.cross_entropy(model(x), y)
+    with backpack(BatchGrad()):
+        loss.backward()
+    assert not derived
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_compiled_model_gives_the_eager_gradients():
+    torch.manual_seed(0)
+    model = extend(conv_net())
+    x, y = data()
+    expected = plain_grads(model, x, y)
+    compiled = torch.compile(model)
+    for _ in range(2):  # the second pass runs the compiled code
+        model.zero_grad()
+        with backpack(BatchGrad()):
+            nn.functional.cross_entropy(compiled(x), y).backward()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, expected[name], **TOL)
+            torch.testing.assert_close(p.grad_batch.sum(0), p.grad, **TOL)
+
+
+def test_nothing_is_summed_while_torch_distributed_is_initialised(derived, monkeypatch):
+    """DDP hooks the gradient accumulators, which a summed gradient would skip."""
+    with monkeypatch.context() as patched:
+        patched.setattr(torch.distributed, "is_initialized", lambda: True)
+        assert not grads_from_samples.accumulator_hooks_unlikely()
+    assert grads_from_samples.accumulator_hooks_unlikely()
+    monkeypatch.setattr(grads_from_samples, "accumulator_hooks_unlikely", lambda: False)
+    torch.manual_seed(0)
+    model = conv_net()
+    x, y = data()
+    expected = plain_grads(model, x, y)
+    extend(model)
+    with backpack(BatchGrad()):
+        nn.functional.cross_entropy(model(x), y).backward()
+    assert not derived
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, expected[name])
+
+
+class _ScaledInputConv(nn.Conv2d):
+    """A subclass whose forward feeds the convolution something else than its input."""
+
+    def forward(self, x):
+        return super().forward(2.0 * x)
+
+
+class _FunctionalConv(nn.Module):
+    """A parametrized module without a rule whose output is a convolution's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4, 3, 3) / 6)
+
+    def forward(self, x):
+        return nn.functional.conv2d(x, self.weight, stride=2)
+
+
+@pytest.mark.parametrize("layer", [_ScaledInputConv, _FunctionalConv])
+def test_overridden_forwards_and_modules_without_rule_keep_autograds_gradient(layer, derived):
+    torch.manual_seed(0)
+    second = _ScaledInputConv(4, 4, 3, stride=2) if layer is _ScaledInputConv else layer()
+    model = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), second, nn.Flatten())
+    model = nn.Sequential(*model, nn.Linear(16, 3)).to(DTYPE)
+    x, y = data()
+    expected = plain_grads(model, x, y)
+    extend(model)
+    with backpack(BatchGrad()):
+        nn.functional.cross_entropy(model(x), y).backward()
+    assert ids(derived) == ids(model[0].parameters())  # only the standard convolution
+    for name, p in model.named_parameters():
+        if id(p) in ids(derived):
+            torch.testing.assert_close(p.grad, expected[name], **TOL)
+        else:
+            assert torch.equal(p.grad, expected[name])
