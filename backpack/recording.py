@@ -520,11 +520,7 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
                 _dispatch(record, (grads[nr],))
 
             node.register_prehook(_node_hook)
-            if not record.disabled and not record.identity:
-                # the producing node owns the record too: graph walks find it there
-                node.metadata.setdefault(_META_KEY, []).append((record, 0, output_nr))
-        return
-    if any(t.grad_fn is None for t in out_tensors):
+    elif any(t.grad_fn is None for t in out_tensors):
 
         def _multi_hook(grads: Any, record: Record = record) -> None:
             _dispatch(record, tuple(grads))
@@ -587,13 +583,9 @@ def _record_call(
             node = a.grad_fn
             # a leaf's edge (its grad accumulator) is built on first use: it cannot move
             edges.append(a if node is None else GradientEdge(node, a.output_nr))
-    if not inplace and producer is None and all(isinstance(a, Tensor) for a in args):
-        kept = args  # the common case: tensors, none of them an output
-    else:
-        kept = tuple([_keep(a, out_tensors) for a in kept_args])
     record = Record(
         module,
-        kept,
+        tuple([_keep(a, out_tensors) for a in kept_args]),
         {k: _keep(v, out_tensors) for k, v in kwargs.items()} if kwargs else {},
         outs,
         structure,

@@ -90,6 +90,11 @@ def _factor_sizes(module: nn.Module, x: Tensor, g: Tensor) -> tuple[int, int, in
     return groups, g.shape[1] // groups, x.shape[1] // groups * kernel, positions
 
 
+def _ghost_is_cheaper(a: int, b: int, positions: int) -> bool:
+    """Norms from position Gram matrices cost less than per-sample gradients (`[a, b]` each)."""
+    return positions * (a + b) < a * b
+
+
 def _gram(t: Tensor) -> Tensor:
     """`[N, G, L, L]` Gram matrices over the feature axis of factors `[N, G, f, L]`."""
     return torch.matmul(t.transpose(-1, -2), t)
@@ -146,7 +151,7 @@ class ConvRule(ModuleRule):
     def _ghost_norms(module: nn.Module, x: Tensor, g: Tensor) -> bool:
         """Whether the weight's norms come from Gram matrices (no per-sample gradients)."""
         _, a, b, positions = _factor_sizes(module, x, g)
-        return positions * (a + b) < a * b
+        return _ghost_is_cheaper(a, b, positions)
 
     def _batch_l2(
         self,
@@ -161,7 +166,7 @@ class ConvRule(ModuleRule):
         result = {}
         if "weight" in names:
             groups, a, b, positions = _factor_sizes(module, x, g)
-            if self._ghost_norms(module, x, g):
+            if _ghost_is_cheaper(a, b, positions):
                 norms = []
                 per_sample = groups * max(positions**2, (a + b) * positions)
                 for part in _chunks(x.shape[0], per_sample):
@@ -234,11 +239,12 @@ class ConvRule(ModuleRule):
                 return None
             fa, fb = convnd.weight_grad_factors(module, x, g)
 
-            def gram(t: Tensor) -> Tensor:  # [G, N L, N L]
+            def positions_gram(t: Tensor) -> Tensor:  # [G, N L, N L]
                 flat = t.permute(1, 0, 3, 2).reshape(groups, n * positions, -1)
                 return flat @ flat.transpose(1, 2)
 
-            prod = (gram(fa) * gram(fb)).reshape(groups, n, positions, n, positions)
+            prod = positions_gram(fa) * positions_gram(fb)
+            prod = prod.reshape(groups, n, positions, n, positions)
             result["weight"] = prod.sum((0, 2, 4))
         if "bias" in names:
             bias = convnd.per_sample_bias_grads(g)
@@ -379,8 +385,7 @@ class ConvRule(ModuleRule):
     ) -> Tensor:
         """The output-side Kronecker factor G of these factor columns alone (sums over columns)."""
         f = _input_and_factor(record, factors)[1]
-        s = f.reshape(f.shape[0] * f.shape[1], f.shape[2], -1).sum(-1)  # [V N, C_out]
-        return s.T @ s
+        return gram(f.reshape(f.shape[0] * f.shape[1], f.shape[2], -1).sum(-1))  # [V N, C_out]
 
     def kron_factors(self, record, factors, names, approx="expand"):  # noqa: D102
         """`[G, A]` for the weight (`weight.transpose(0, 1)` for transposed convs), `[G]` bias.
