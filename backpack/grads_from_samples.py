@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 
 from backpack.recording import _META_KEY, walk_nodes
+from backpack.rules.conv import CONV_CLASSES
 
 ENABLED: bool = True
 """Whether first-order extensions alone sum convolution `.grad`s from the per-sample gradients
@@ -43,17 +44,7 @@ _CONV_NODES = ("ConvolutionBackward0",)
 _WEIGHT, _BIAS = 1, 2
 #: the forwards whose single convolution op the rules describe (a subclass that overrides
 #: `forward` may feed the op something else than its recorded input)
-_CONV_FORWARDS = {
-    cls.forward
-    for cls in (
-        nn.Conv1d,
-        nn.Conv2d,
-        nn.Conv3d,
-        nn.ConvTranspose1d,
-        nn.ConvTranspose2d,
-        nn.ConvTranspose3d,
-    )
-}
+_CONV_FORWARDS = {cls.forward for cls in CONV_CLASSES}
 
 
 def accumulator_hooks_unlikely() -> bool:

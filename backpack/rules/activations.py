@@ -23,6 +23,7 @@ from backpack.custom_module.reduce_tuple import ReduceTuple
 from backpack.custom_module.scale_module import ScaleModule
 from backpack.custom_module.slicing import Slicing
 from backpack.recording import IDEMPOTENT_ACTIVATIONS, Record
+from backpack.rules.conv import CONV_CLASSES
 
 
 class ActivationRule:
@@ -130,12 +131,7 @@ _ELEMENTWISE_PIECEWISE_LINEAR: tuple[type[nn.Module], ...] = (
 #: modules that are linear or piecewise linear in their input (no residual curvature)
 _CURVATURE_FREE: tuple[type[nn.Module], ...] = (
     nn.Linear,
-    nn.Conv1d,
-    nn.Conv2d,
-    nn.Conv3d,
-    nn.ConvTranspose1d,
-    nn.ConvTranspose2d,
-    nn.ConvTranspose3d,
+    *CONV_CLASSES,
     nn.BatchNorm1d,
     nn.BatchNorm2d,
     nn.BatchNorm3d,

@@ -46,7 +46,8 @@ _CHUNK_BUDGET = 1 << 24
 #: cache on CPU
 _PAIR_CHUNK = {"cpu": 1 << 21}
 
-_CONV_CLASSES = (
+#: the convolution module classes the rule below covers
+CONV_CLASSES = (
     nn.Conv1d,
     nn.Conv2d,
     nn.Conv3d,
@@ -101,10 +102,10 @@ def _gram(t: Tensor) -> Tensor:
 
 
 # the rule reads its outputs' shapes only (see `SHAPE_ONLY_OUTPUTS`)
-SHAPE_ONLY_OUTPUTS.update(_CONV_CLASSES)
+SHAPE_ONLY_OUTPUTS.update(CONV_CLASSES)
 
 
-@register_rule(*_CONV_CLASSES)
+@register_rule(*CONV_CLASSES)
 class ConvRule(ModuleRule):
     """Per-sample gradients and fused reductions of (transposed) convolutions."""
 
