@@ -41,7 +41,7 @@ from backpack.recording import (
 )
 from backpack.rules import find_rule
 from backpack.rules.activations import find_activation_rule
-from backpack.rules.base import ModuleRule
+from backpack.rules.base import ModuleRule, overridden_base
 from backpack.rules.generic import FuncRule
 from backpack.rules.losses import is_loss
 from backpack.samples import SampleLayout
@@ -1520,9 +1520,17 @@ class Engine:
         cls = type(record.module)
         if cls not in _WARNED_GENERIC:
             _WARNED_GENERIC.add(cls)
+            base = overridden_base(record.module)
+            why = (
+                ""
+                if base is None
+                else f" (it overrides the forward of {base.__name__}, whose rule would read the "
+                "recorded input as if that forward had run; if its forward computes the same, "
+                f"declare it with backpack.rules.register_standard_forward({cls.__name__}))"
+            )
             warnings.warn(
-                f"backpack has no dedicated rule for {cls.__name__}; computing its per-sample "
-                "gradients with torch.func (correct, but slower).",
+                f"backpack has no dedicated rule for {cls.__name__}{why}; computing its "
+                "per-sample gradients with torch.func (correct, but slower).",
                 UserWarning,
                 stacklevel=2,
             )

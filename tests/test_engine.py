@@ -20,6 +20,7 @@ from backpack.extensions import BatchDotGrad, BatchGrad, BatchL2Grad, SumGradSqu
 from backpack.extensions.backprop_extension import BackpropExtension
 from backpack.extensions.firstorder.base import FirstOrderModuleExtension
 from backpack.recording import live_records
+from backpack.rules import register_standard_forward
 
 DTYPE = torch.float64
 N, D_IN, D_HID, D_OUT = 5, 4, 6, 3
@@ -899,17 +900,34 @@ class MyLinear(nn.Linear):
         return super().forward(x)
 
 
-def test_subclass_of_linear_gets_correct_quantities():
+class MyDeclaredLinear(MyLinear):
+    """The same, declared to compute Linear's forward."""
+
+
+register_standard_forward(MyDeclaredLinear)
+
+
+@pytest.mark.parametrize("declared", [False, True], ids=["own-forward", "declared-standard"])
+def test_subclass_of_linear_gets_correct_quantities(declared):
+    cls = MyDeclaredLinear if declared else MyLinear
+
     def make():
-        return nn.Sequential(MyLinear(D_IN, D_HID), nn.Tanh(), MyLinear(D_HID, D_OUT)).to(DTYPE)
+        return nn.Sequential(cls(D_IN, D_HID), nn.Tanh(), cls(D_HID, D_OUT)).to(DTYPE)
 
     model, plain = extended_pair(make)
     x, y = batch()
     loss = nn.CrossEntropyLoss()(model(x), y)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the Linear rule applies, no fallback warning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         with backpack(BatchGrad(), BatchL2Grad(), BatchDotGrad()):
             loss.backward()
+    messages = [str(w.message) for w in caught]
+    if declared:  # the Linear rule applies, no fallback warning
+        assert not messages
+    else:  # an override could compute anything: the exact fallback, and how to declare it
+        (message,) = messages
+        assert "MyLinear (it overrides the forward of Linear" in message
+        assert "backpack.rules.register_standard_forward(MyLinear)" in message
     ref = reference(plain, x, y)
     for quantity in ("grad_batch", "batch_l2", "batch_dot"):
         assert_quantity(model, quantity, ref)

@@ -23,6 +23,13 @@ from backpack.custom_module.reduce_tuple import ReduceTuple
 from backpack.custom_module.scale_module import ScaleModule
 from backpack.custom_module.slicing import Slicing
 from backpack.recording import IDEMPOTENT_ACTIVATIONS, Record
+from backpack.rules.base import (
+    cached_per_class,
+    class_cache,
+    class_match,
+    clear_class_caches,
+    is_instance_with_forward,
+)
 from backpack.rules.conv import CONV_CLASSES
 
 
@@ -186,24 +193,37 @@ IDEMPOTENT_ACTIVATIONS.update({nn.ReLU, nn.ReLU6, nn.Hardtanh})
 def register_curvature_free(*module_classes: type[nn.Module]) -> None:
     """Declare module classes linear in their input (e.g. custom containers like SumModule)."""
     _EXTRA_CURVATURE_FREE.extend(module_classes)
+    clear_class_caches()
 
 
 def register_activation(module_class: type[nn.Module], d2: Callable[[nn.Module, Tensor], Tensor]):
     """Register φ'' for an elementwise activation module class."""
     _RULES[module_class] = ActivationRule(d2)
+    clear_class_caches()
+
+
+_ACTIVATION_RULE = class_cache()
+_IS_CURVATURE_FREE = class_cache()
 
 
 def find_activation_rule(module: nn.Module) -> ActivationRule | None:
-    """The second-derivative rule of an elementwise activation module, if any."""
-    for cls in type(module).__mro__:
-        if cls in _RULES:
-            return _RULES[cls]
-    return None
+    """The second-derivative rule of an elementwise activation module, if any.
+
+    A subclass that overrides the activation's forward computes another function: no rule.
+    """
+    return cached_per_class(_ACTIVATION_RULE, module, lambda: class_match(module, _RULES))
 
 
 def is_curvature_free(module: nn.Module) -> bool:
-    """Whether the module adds no second-derivative term w.r.t. its input."""
-    return isinstance(module, _CURVATURE_FREE) or isinstance(module, tuple(_EXTRA_CURVATURE_FREE))
+    """Whether the module adds no second-derivative term w.r.t. its input.
+
+    Subclasses count only if they keep the listed class's forward.
+    """
+    return cached_per_class(
+        _IS_CURVATURE_FREE,
+        module,
+        lambda: is_instance_with_forward(module, (*_CURVATURE_FREE, *_EXTRA_CURVATURE_FREE)),
+    )
 
 
 _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
@@ -217,9 +237,9 @@ def is_elementwise(module: nn.Module) -> bool:
     """
     if getattr(module, "inplace", False):
         return False
-    if isinstance(module, _DROPOUT):
+    if is_instance_with_forward(module, _DROPOUT):
         return not module.training or module.p == 0
-    if isinstance(module, _ELEMENTWISE_PIECEWISE_LINEAR):
+    if is_instance_with_forward(module, _ELEMENTWISE_PIECEWISE_LINEAR):
         return True
     return find_activation_rule(module) is not None
 
@@ -236,7 +256,7 @@ def elementwise_derivative(record: Record) -> Tensor | None:
     z = record.args[0]
     if not isinstance(z, Tensor) or not z.dtype.is_floating_point:
         return None
-    if isinstance(module, (nn.Identity, *_DROPOUT)):
+    if is_instance_with_forward(module, (nn.Identity, *_DROPOUT)):
         return torch.ones_like(z)
     with torch.enable_grad(), CTX.internal():
         leaf = z.detach().requires_grad_()

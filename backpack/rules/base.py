@@ -3,7 +3,9 @@
 A rule turns one recorded call of a module (its inputs and the gradients reaching its outputs) into
 per-sample parameter gradients, and optionally into fused reductions of them that skip
 materialising the `[N, *param.shape]` tensors. Rules are looked up along the module's class
-hierarchy, so subclasses of supported layers use their parent's rule.
+hierarchy: a subclass uses its parent's rule as long as it computes its output with the parent's
+forward (a rule reads only the recorded input, so a subclass feeding the layer something else,
+say a standardised weight or a scaled input, would get wrong numbers from it).
 """
 
 from __future__ import annotations
@@ -183,18 +185,110 @@ def register_rule(*module_classes: type[nn.Module]) -> Callable[[R], R]:
         rule = rule_cls()
         for cls in module_classes:
             _RULES[cls] = rule
+        clear_class_caches()
         return rule_cls
 
     return decorator
 
 
-def find_rule(module: nn.Module) -> ModuleRule | None:
-    """The rule for `module`'s class or its nearest registered base class."""
-    for cls in type(module).__mro__:
-        rule = _RULES.get(cls)
-        if rule is not None:
-            return rule
+#: the methods through which a layer computes its output (`Conv*.forward` calls `_conv_forward`)
+_FORWARD_METHODS = ("forward", "_conv_forward")
+#: subclasses declared to compute what their parent computes (`register_standard_forward`)
+_STANDARD_FORWARD: set[type] = set()
+
+
+def register_standard_forward(*module_classes: type[nn.Module]) -> None:
+    """Declare that these subclasses' own `forward` computes what their parent's forward does.
+
+    A subclass that overrides `forward` gets the `torch.func` fallback (correct for any forward,
+    but slower, and without Kronecker factors or Hessians), since its parent's rule would read
+    the recorded input as if the parent's forward had run. Declare overrides that only add
+    logging, checks or hooks and then call `super().forward(x)` to use the parent's rule again.
+    """
+    _STANDARD_FORWARD.update(module_classes)
+    clear_class_caches()
+
+
+def keeps_forward_of(cls: type, base: type) -> bool:
+    """Whether `cls` (a subclass of `base`) computes its output with `base`'s forward.
+
+    True when no class between them in the method resolution order defines a forward method
+    before one declared with `register_standard_forward` is met, and for abstract bases without
+    a forward of their own (`_Loss`: the table then means every subclass).
+    """
+    if base.forward is nn.Module.forward:
+        return True
+    for c in cls.__mro__:
+        if c is base or c in _STANDARD_FORWARD:
+            return True
+        if any(m in c.__dict__ for m in _FORWARD_METHODS):
+            return False
+    return False
+
+
+def class_match(module: nn.Module, table: Any) -> Any:
+    """The entry of `table` (keyed by module class) for `module`, or None.
+
+    The nearest registered class in `module`'s class hierarchy decides: its entry, if
+    `module` computes its output with that class's forward, else None.
+    """
+    cls = type(module)
+    for base in cls.__mro__:
+        entry = table.get(base)
+        if entry is not None:
+            return entry if keeps_forward_of(cls, base) else None
     return None
+
+
+def overridden_base(module: nn.Module) -> type | None:
+    """The registered class whose rule `module` does not get because it overrides its forward."""
+    for base in type(module).__mro__:
+        if base in _RULES:
+            return None if keeps_forward_of(type(module), base) else base
+    return None
+
+
+def is_instance_with_forward(module: nn.Module, classes: Sequence[type]) -> bool:
+    """`isinstance(module, classes)`, counting only classes whose forward `module` keeps."""
+    cls = type(module)
+    return any(isinstance(module, c) and keeps_forward_of(cls, c) for c in classes)
+
+
+_CLASS_CACHES: list[dict[type, Any]] = []
+
+
+def class_cache() -> dict[type, Any]:
+    """A dict of per-class answers, emptied whenever a rule or a standard forward is registered."""
+    cache: dict[type, Any] = {}
+    _CLASS_CACHES.append(cache)
+    return cache
+
+
+def clear_class_caches() -> None:
+    """Forget every per-class answer (the registries changed)."""
+    for cache in _CLASS_CACHES:
+        cache.clear()
+
+
+def cached_per_class(cache: dict[type, Any], module: nn.Module, compute: Callable[[], Any]) -> Any:
+    """`compute()` for `module`'s class, computed once per class."""
+    cls = type(module)
+    try:
+        return cache[cls]
+    except KeyError:
+        if len(cache) > 4096:  # classes made on the fly (parametrizations) come and go
+            cache.clear()
+        value = cache[cls] = compute()
+        return value
+
+
+#: class -> its rule or None
+_FOUND = class_cache()
+
+
+def find_rule(module: nn.Module) -> ModuleRule | None:
+    """The rule for `module`'s class or its nearest registered base class (see `class_match`)."""
+    return cached_per_class(_FOUND, module, lambda: class_match(module, _RULES))
 
 
 def registered_module_classes() -> list[type[nn.Module]]:

@@ -61,6 +61,18 @@ def _cotangents(record: Record, grad_outputs: GradOutputs, out_tensors: list[Ten
 class FuncRule(ModuleRule):
     """Per-sample gradients of an arbitrary module via `vmap(vjp(functional_call))`."""
 
+    def mixes_samples(self, record: Record) -> bool:
+        """Whether a batch normalisation in the module uses statistics of the batch.
+
+        One sample alone would be normalised with its own statistics: per-sample results of
+        such a call are undefined (e.g. a BatchNorm subclass with its own forward).
+        """
+        return any(
+            isinstance(m, nn.modules.batchnorm._BatchNorm)
+            and (m.training or (m.running_mean is None and m.running_var is None))
+            for m in record.module.modules()
+        )
+
     def per_sample_grads(
         self,
         record: Record,
