@@ -35,6 +35,7 @@ from backpack.recording import (
     Record,
     describe,
     get_param,
+    is_parametrized,
     promote_half,
     register_call,
     trainable_params,
@@ -1521,13 +1522,20 @@ class Engine:
         if cls not in _WARNED_GENERIC:
             _WARNED_GENERIC.add(cls)
             base = overridden_base(record.module)
-            why = (
-                ""
-                if base is None
-                else f" (it overrides the forward of {base.__name__}, whose rule would read the "
-                "recorded input as if that forward had run; if its forward computes the same, "
-                f"declare it with backpack.rules.register_standard_forward({cls.__name__}))"
-            )
+            if is_parametrized(record.module):
+                why = (
+                    " (its tensors come from torch.nn.utils.parametrize: the gradients w.r.t. "
+                    "the original parameters go through the parametrization)"
+                )
+            elif base is not None:
+                why = (
+                    f" (it overrides the forward of {base.__name__}, whose rule would read the "
+                    "recorded input as if that forward had run; if its forward computes the "
+                    "same, declare it with "
+                    f"backpack.rules.register_standard_forward({cls.__name__}))"
+                )
+            else:
+                why = ""
             warnings.warn(
                 f"backpack has no dedicated rule for {cls.__name__}{why}; computing its "
                 "per-sample gradients with torch.func (correct, but slower).",

@@ -389,10 +389,27 @@ def param_owners(param: Tensor) -> list[nn.Module]:
 OWNS_CHILD_PARAMETERS: set[type] = set()
 
 
+def is_parametrized(module: nn.Module) -> bool:
+    """Whether tensors of `module` are computed by `torch.nn.utils.parametrize`.
+
+    Such a module's forward reads `module.weight` (say) from its parametrization, whose
+    parameters (`parametrizations.weight.original`, ...) are the ones that require grad.
+    """
+    modules = module.__dict__.get("_modules")
+    return modules is not None and isinstance(modules.get("parametrizations"), nn.ModuleDict)
+
+
 def _owned_parameters(module: nn.Module) -> dict[str, Any]:
     # subclasses too (e.g. a MultiheadAttention subclass still uses out_proj functionally)
     if OWNS_CHILD_PARAMETERS and isinstance(module, tuple(OWNS_CHILD_PARAMETERS)):
         return dict(module.named_parameters())
+    if is_parametrized(module):
+        # the originals (and any parameters of the parametrizations themselves) are used
+        # through this call: a plain tensor attribute read inside its forward
+        return {
+            **module._parameters,
+            **dict(module.parametrizations.named_parameters(prefix="parametrizations")),
+        }
     return module._parameters
 
 
@@ -721,7 +738,20 @@ def free_after_plain_backward(record: Record) -> None:
 def _is_leaf_or_parametrized(module: nn.Module) -> bool:
     has_children = next(module.children(), None) is not None
     has_params = next(module.parameters(recurse=False), None) is not None
-    return has_params or not has_children
+    return has_params or not has_children or is_parametrized(module)
+
+
+def _parametrization_modules(module: nn.Module) -> set[int]:
+    """The ids of the modules inside `parametrizations` of parametrized modules in `module`.
+
+    They run when a parametrized tensor is read, on the parameters alone (no samples): the
+    parametrized module's record covers them.
+    """
+    inside: set[int] = set()
+    for sub in module.modules():
+        if is_parametrized(sub):
+            inside.update(id(m) for m in sub.parametrizations.modules())
+    return inside
 
 
 def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) -> nn.Module:
@@ -744,11 +774,12 @@ def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) 
         module = convert_module_to_backpack(module, debug)
     _allow_repeated_compiled_backward()
     _mark_sequence_first(module)
+    parametrizations = _parametrization_modules(module)
     for name, sub in module.named_modules():
         if name or "_backpack_path" not in sub.__dict__:
             # messages name modules by their path in the outermost model extended so far
             sub.__dict__["_backpack_path"] = name
-        if getattr(sub, "_backpack_extend", False):
+        if getattr(sub, "_backpack_extend", False) or id(sub) in parametrizations:
             continue
         if not _is_leaf_or_parametrized(sub):
             continue

@@ -30,6 +30,7 @@ from backpack.recording import (
     Record,
     describe,
     get_param,
+    is_parametrized,
     nearest_records,
     records_at,
     trainable_params,
@@ -282,6 +283,13 @@ def check_module_graph(loss_record: Record, exts: list[SecondOrderBackpropExtens
                         f"{names} cannot handle {describe(module)}: its "
                         "second derivatives are not supported. Supported are elementwise "
                         "activation modules and layers that are linear in their input."
+                    )
+                if is_parametrized(module):
+                    raise NotImplementedError(
+                        f"{names} cannot handle {describe(module)}: its tensors come from "
+                        "torch.nn.utils.parametrize, whose second derivatives w.r.t. the "
+                        "original parameters are not supported. The GGN family (DiagGGN*, "
+                        "SqrtGGN*, GGNMP) and the first-order extensions are."
                     )
                 if record.inplace:  # its only node is the one we are at
                     stack.extend(n for n, _ in node.next_functions)

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-from backpack.recording import Record
+from backpack.recording import Record, is_parametrized
 
 GradOutputs = tuple[Tensor | None, ...]
 Names = Sequence[str]
@@ -287,7 +287,13 @@ _FOUND = class_cache()
 
 
 def find_rule(module: nn.Module) -> ModuleRule | None:
-    """The rule for `module`'s class or its nearest registered base class (see `class_match`)."""
+    """The rule for `module`'s class or its nearest registered base class (see `class_match`).
+
+    None for modules with parametrized tensors: a layer's rule gives gradients w.r.t. the
+    tensor the forward used, not w.r.t. the parameters it was computed from.
+    """
+    if is_parametrized(module):
+        return None
     return cached_per_class(_FOUND, module, lambda: class_match(module, _RULES))
 
 

@@ -16,9 +16,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jvp, vjp, vmap
+from torch.nn.utils import parametrize
 
 from backpack.context import CTX
-from backpack.recording import Record, get_param, tensors_in
+from backpack.recording import Record, get_param, is_parametrized, tensors_in
 from backpack.rules.base import GradOutputs, ModuleRule, Names
 
 
@@ -36,7 +37,34 @@ def transformable(module: nn.Module) -> Iterator[None]:
             stack.enter_context(torch.backends.cudnn.flags(enabled=False))
         if any(isinstance(m, nn.MultiheadAttention) for m in modules):
             stack.enter_context(_math_attention())
+        if any(is_parametrized(m) for m in modules):
+            stack.enter_context(_parametrizations_as_in_forward(modules))
         yield
+
+
+@contextmanager
+def _parametrizations_as_in_forward(modules: list[nn.Module]) -> Iterator[None]:
+    """Parametrized tensors recomputed as the forward computed them, from the given parameters.
+
+    Parametrizations run in eval mode: in training mode some update state when called
+    (spectral_norm's power iteration), which would change the tensor and the user's buffers;
+    after the forward's update, eval mode computes the tensor the forward used. The cache of
+    `parametrize.cached()` is off, or it would return the forward's tensor whatever parameters
+    the transforms pass in.
+    """
+    inside = [
+        m for p in modules if is_parametrized(p) for m in p.parametrizations.modules() if m.training
+    ]
+    cache_depth = getattr(parametrize, "_cache_enabled", 0)
+    try:
+        for m in inside:
+            m.training = False
+        parametrize._cache_enabled = 0
+        yield
+    finally:
+        for m in inside:
+            m.training = True
+        parametrize._cache_enabled = cache_depth
 
 
 def _math_attention() -> Any:
