@@ -325,6 +325,9 @@ def test_conv_probes_share_the_kernel_centre_and_still_detect_outside_uses():
         (3, (3, 2), (1, 0), (1, 2), 8, 9),
         (2, 3, 4, 1, 5, 5),  # padding wider than the kernel reaches
         (2, 1, 0, 1, 4, 4),
+        (3, 3, 1, 1, 6, 6),  # even transform sizes (a Nyquist frequency on both axes)
+        (2, (2, 4), (0, 3), (2, 1), 5, 8),
+        (2, 3, 1, 1, 1, 7),  # one input row
     ],
 )
 def test_input_gram_by_correlation_equals_unfolded_gram(
@@ -340,6 +343,13 @@ def test_input_gram_by_correlation_equals_unfolded_gram(
     u = convnd.unfold_channels_first(conv, x, out_size)
     u = u.reshape(channels * conv.weight[0, 0].numel(), -1)
     torch.testing.assert_close(convnd.input_gram_by_correlation(conv, x, out_size), u @ u.T)
+    # float32: rounding of the transforms stays at the level of the direct float32 sum
+    u32 = u.float()
+    direct = u32 @ u32.T
+    by_dft = convnd.input_gram_by_correlation(conv.float(), x.float(), out_size)
+    exact = (u @ u.T).float()
+    scale = exact.abs().max()
+    assert (by_dft - exact).abs().max() <= max(4 * (direct - exact).abs().max(), 1e-6 * scale)
 
 
 @pytest.mark.cpu_only  # the correlation path is chosen on the CPU only (measured there)
@@ -350,10 +360,13 @@ def test_kfac_on_a_large_grid_takes_the_correlation_path_with_the_same_numbers(m
     x = torch.randn(16, 16, 32, 32, dtype=torch.float64)
     assert convnd.correlation_applies(conv, x, (32, 32))
     assert not convnd.correlation_applies(nn.Conv2d(16, 4, 3, stride=2), x, (16, 16))
-    assert not convnd.correlation_applies(conv, x[:, :, :8, :8], (8, 8))  # small grid
-    assert not convnd.correlation_applies(conv, x[:4], (32, 32))  # little work
-    assert not convnd.correlation_applies(conv, x[:, :, :16, :16], (16, 16))
-    assert convnd.correlation_applies(conv, torch.cat([x] * 8)[:, :, :16, :16], (16, 16))
+    assert not convnd.correlation_applies(nn.Conv2d(16, 4, 1), x, (32, 32))  # nothing to share
+    assert not convnd.correlation_applies(conv, x[:2], (32, 32))  # little work
+    assert convnd.correlation_applies(conv, torch.cat([x] * 4)[:, :, :8, :8], (8, 8))
+    assert not convnd.correlation_applies(conv, x[:, :, :4, :4], (4, 4))  # mostly border
+    valid = nn.Conv2d(16, 4, 3)  # each offset skips two lines per axis: wide grids only
+    assert convnd.correlation_applies(valid, x, (30, 30))
+    assert not convnd.correlation_applies(valid, torch.cat([x] * 4)[:, :, :16, :16], (14, 14))
 
     def kfac_factors():
         model = extend(nn.Sequential(conv, nn.Flatten(), linear))
@@ -363,7 +376,7 @@ def test_kfac_on_a_large_grid_takes_the_correlation_path_with_the_same_numbers(m
         return conv.weight.kflr
 
     by_correlation = kfac_factors()
-    monkeypatch.setattr(convnd, "_CORRELATION_MIN_POSITIONS", 10**9)
+    monkeypatch.setattr(convnd, "_CORRELATION_MIN_ROWS", 10**9)
     unfolded = kfac_factors()
     for a, b in zip(by_correlation, unfolded, strict=True):
         torch.testing.assert_close(a, b)

@@ -499,68 +499,174 @@ def prefer_fold(module: nn.Module, x: Tensor, out_grid: Sequence[int]) -> bool:
 
 
 # --- the input Kronecker factor from channel correlations -----------------------------------
-#: grids (output positions) and unfolded rows from which `input_gram_by_correlation` is used
-_CORRELATION_MIN_POSITIONS = 256
+#: unfolded rows (C_in K) and work (samples x channels x output positions) from which
+#: `input_gram_by_correlation` is used, and the share of the input's lines (rows plus columns)
+#: that kernel offsets may skip: up to `_CORRELATION_MAX_THIN_BORDER` where each offset skips
+#: at most one line per axis ('same' padding of 3x3 kernels), `_CORRELATION_MAX_BORDER`
+#: otherwise (border corrections then pair more lines with more offsets). Measured on the CPU
+#: (1 and 2 threads, 3x3 kernels, N = 16-64, C = 16-96, grids 6-32) against the unfolded Gram:
+#: 'same' 0.25-0.75x its time from 8x8 grids on (0.6-1.0x at 6x6 with N C >= 2048, 1.0-1.8x
+#: below); 'valid' 0.5-0.9x at 32x32, 1.1-2x at 16x16, 3-6x at 6x6
 _CORRELATION_MIN_ROWS = 128
-#: ... and the work (samples x positions from 32x32 grids on, times channels on smaller grids)
-#: from which it pays:
-#: the border corrections cost a fixed number of thin products per call. Measured on CPU
-#: (2 threads, 3x3 kernels, C = 16-64, N = 16-64): 0.5-0.75x the unfolded Gram's time above
-#: these sizes, up to 1.5x (16x16, C = 32, N = 16) or 3x (12x12) below them
-_CORRELATION_MIN_SAMPLE_POSITIONS = 2**14
-_CORRELATION_MIN_WORK = 2**19
+_CORRELATION_MIN_WORK = 2**16
+_CORRELATION_MAX_THIN_BORDER = 1 / 6
+_CORRELATION_MAX_BORDER = 1 / 16
 
 
-def _correlations(
-    x: Tensor, padded: Tensor, kernel: Sequence[int], dilation: Sequence[int], rows, cols
+def _runs(lines: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted indices as maximal runs `[start, stop)` of consecutive ones."""
+    runs: list[tuple[int, int]] = []
+    for i in sorted(lines):
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def _zero_padded_slice(x: Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> Tensor:
+    """`x[:, :, r0:r1, q0:q1]` where indices outside the input read zeros (a small copy)."""
+    (r0, r1), (q0, q1), (h, w) = rows, cols, x.shape[2:]
+    inner = x[:, :, max(r0, 0) : min(r1, h), max(q0, 0) : min(q1, w)]
+    pads = [max(-q0, 0), max(q1 - w, 0), max(-r0, 0), max(r1 - h, 0)]
+    return F.pad(inner, pads) if any(pads) else inner
+
+
+def _border_correlations(
+    x: Tensor,
+    kernel: Sequence[int],
+    dilation: Sequence[int],
+    lines: tuple[Sequence[int], Sequence[int]],
+    offsets: tuple[tuple[int, int], tuple[int, int]],
 ) -> Tensor:
-    """Σ_n Σ_{(r, q) ∈ rows × cols} x[n, :, r, q] ⊗ x[n, :, r + δh, q + δw] for every offset.
+    """Σ_n Σ_{r ∈ rows, q ∈ cols} x[n, :, r, q] ⊗ x[n, :, r + δh, q + δw] per offset δ.
 
-    δ = ((i - Kh + 1) dh, (j - Kw + 1) dw) for entry `[..., i, j]` of the `[C, C, 2Kh - 1,
-    2Kw - 1]` result; values outside the input count as zero (`padded` is x padded by
-    (K - 1) d on each side). This is the weight gradient of a convolution with a (2K - 1)-sized
-    dilated kernel, so torch's conv backward computes it.
+    `lines` holds the rows and the columns (any index sets), `offsets` the ranges of i and j:
+    entries `[..., i0:i1, j0:j1]` of the `[C, C, 2Kh - 1, 2Kw - 1]` correlations, whose entry
+    (i, j) is at offset δ = ((i - Kh + 1) dh, (j - Kw + 1) dw); x is zero outside the input.
+    One matrix product per block of consecutive rows and columns, with a strided view of the
+    partners copied so that the copy reads along rows: the border lines are few and thin, and
+    torch's convolution weight backward handles such shapes poorly.
     """
-    (kh, kw), (dh, dw) = kernel, dilation
-    ph, pw = (kh - 1) * dh, (kw - 1) * dw
-    window = padded[:, :, rows[0] : rows[1] + 2 * ph, cols[0] : cols[1] + 2 * pw]
-    strip = x[:, :, rows[0] : rows[1], cols[0] : cols[1]]
-    return _shifted_products(strip, window, (2 * kh - 1, 2 * kw - 1), dilation)
+    (kh, kw), (dh, dw), n, c = kernel, dilation, x.shape[0], x.shape[1]
+    ((i0, i1), (j0, j1)) = offsets
+    result = None
+    for r0, r1 in _runs(lines[0]):
+        for q0, q1 in _runs(lines[1]):
+            band = _zero_padded_slice(
+                x,
+                (r0 + (i0 - kh + 1) * dh, r1 + (i1 - kh) * dh),
+                (q0 + (j0 - kw + 1) * dw, q1 + (j1 - kw) * dw),
+            )
+            sn, sc, sr, sq = band.stride()
+            there = band.as_strided(
+                (c, i1 - i0, j1 - j0, n, r1 - r0, q1 - q0), (sc, sr * dh, sq * dw, sn, sr, sq)
+            ).reshape(c * (i1 - i0) * (j1 - j0), -1)
+            here = x[:, :, r0:r1, q0:q1].transpose(0, 1).reshape(c, -1)
+            if result is None:
+                result = here @ there.T
+            else:
+                result.addmm_(here, there.T)
+    return result.reshape(c, c, i1 - i0, j1 - j0)
 
 
-def _shifted_products(
-    x: Tensor, window: Tensor, offsets: Sequence[int], dilation: Sequence[int]
-) -> Tensor:
-    """`[C, C, *offsets]`: Σ x[n, c, p] window[n, c', p + δ d] per offset δ (a weight backward)."""
-    c = x.shape[1]
-    return torch.ops.aten.convolution_backward(
-        x,
-        window,
-        x.new_empty(c, c, *offsets),
-        None,
-        [1, 1],
-        [0, 0],
-        list(dilation),
-        False,
-        [0, 0],
-        1,
-        [False, True, False],
-    )[1]
+#: (h, w, kernel, dilation, dtype, device) -> the DFT matrices of `_whole_correlations`
+_DFT_BASES: dict[tuple, tuple[Tensor, ...]] = {}
 
 
-def _full_correlations(x: Tensor, kernel: Sequence[int], dilation: Sequence[int]) -> Tensor:
-    """`_correlations` over the whole input, from its half with nonnegative row offsets.
+def _dft_bases(
+    size: Sequence[int], kernel: Sequence[int], dilation: Sequence[int], like: Tensor
+) -> tuple[Tensor, ...]:
+    """Real matrices of the 2-D DFT of a zero-padded input, and of its inverse at our offsets.
 
-    Over the whole (zero-padded) input, the correlation at offset -δ is the one at δ with the
-    two channels swapped, so one conv weight backward with a `[K, 2K - 1]` kernel (rows shifted
-    downwards only) gives all `(2K - 1)²` offsets: (2K - 1)K instead of (2K - 1)² products.
+    The `[h, w]` input is padded to `[M_h, M_w] = [h + (Kh - 1) dh, w + (Kw - 1) dw]`, so no
+    offset we need wraps around. Returns, along w, `[w, 2 F_w]` = [cos | -sin] over the
+    F_w = M_w // 2 + 1 frequencies of a real input; along h, `[2 M_h, 2 h]`, the complex
+    product as one real matrix; and the inverse's `[(2Kh - 1)(2Kw - 1), M_h F_w]` weights of
+    the real and of the imaginary part of the cross-spectrum.
     """
+    key = (*size, *kernel, *dilation, like.dtype, like.device)
+    bases = _DFT_BASES.get(key)
+    if bases is not None:
+        return bases
+    (h, w), (kh, kw), (dh, dw) = size, kernel, dilation
+    mh, mw = h + (kh - 1) * dh, w + (kw - 1) * dw
+    fw = mw // 2 + 1
+    f64, tau = torch.float64, 2 * math.pi
+    ang_w = tau * torch.outer(torch.arange(w, dtype=f64), torch.arange(fw, dtype=f64)) / mw
+    along_w = torch.cat([ang_w.cos(), -ang_w.sin()], 1)
+    ang_h = tau * torch.outer(torch.arange(mh, dtype=f64), torch.arange(h, dtype=f64)) / mh
+    cos_h, sin_h = ang_h.cos(), ang_h.sin()
+    along_h = torch.cat([torch.cat([cos_h, sin_h], 1), torch.cat([-sin_h, cos_h], 1)], 0)
+    off_h = torch.arange(-(kh - 1), kh, dtype=f64) * dh
+    off_w = torch.arange(-(kw - 1), kw, dtype=f64) * dw
+    freq_h, freq_w = torch.arange(mh, dtype=f64), torch.arange(fw, dtype=f64)
+    theta = tau * (
+        (off_h[:, None, None, None] * freq_h[None, None, :, None]) / mh
+        + (off_w[None, :, None, None] * freq_w[None, None, None, :]) / mw
+    )  # [2Kh - 1, 2Kw - 1, M_h, F_w]
+    # a real input's spectrum is Hermitian: the frequencies F_w stand for their mirror images
+    weight = torch.full((fw,), 2.0, dtype=f64)
+    weight[0] = 1.0
+    if mw % 2 == 0:
+        weight[-1] = 1.0
+    weight = weight / (mh * mw)
+    inverse_re = (weight * theta.cos()).reshape((2 * kh - 1) * (2 * kw - 1), mh * fw)
+    inverse_im = (weight * theta.sin()).reshape((2 * kh - 1) * (2 * kw - 1), mh * fw)
+    bases = tuple(
+        t.to(dtype=like.dtype, device=like.device).contiguous()
+        for t in (along_w, along_h, inverse_re, inverse_im)
+    )
+    if len(_DFT_BASES) >= 64:
+        _DFT_BASES.clear()
+    _DFT_BASES[key] = bases
+    return bases
+
+
+#: cross-spectrum entries (frequencies x C²) formed at once by `_whole_correlations`
+_DFT_CHUNK_ELEMENTS = 2**18
+
+
+def _whole_correlations(x: Tensor, kernel: Sequence[int], dilation: Sequence[int]) -> Tensor:
+    """`[C, C, 2Kh - 1, 2Kw - 1]`: Σ_n Σ_p x[n, c, p] x[n, c', p + δ] over the whole input.
+
+    By the correlation theorem: with X the DFT of each zero-padded channel, the correlation is
+    the inverse DFT of the cross-spectrum Σ_n conj(X_c) X_c', needed at (2K - 1)² offsets only.
+    The transforms and the inverse are matrix products with `_dft_bases`, the cross-spectrum a
+    batched product over frequencies: about 4 products per channel pair, sample and input
+    position (M_h M_w / 2 complex frequencies), where the direct correlation takes (2K - 1) K.
+    Exact up to rounding (float32 rounding is smaller than the direct sum's, measured).
+    """
+    n, c, h, w = x.shape
     (kh, kw), (dh, dw) = kernel, dilation
-    ph, pw = (kh - 1) * dh, (kw - 1) * dw
-    # [C, C, Kh, 2Kw - 1]: row offsets 0, dh, ..., (Kh - 1) dh
-    half = _shifted_products(x, F.pad(x, [pw, pw, 0, ph]), (kh, 2 * kw - 1), (dh, dw))
-    upper = half[:, :, 1:].flip(2, 3).transpose(0, 1)  # row offsets -(Kh - 1) dh, ..., -dh
-    return torch.cat([upper, half], 2)
+    mh, fw = h + (kh - 1) * dh, (w + (kw - 1) * dw) // 2 + 1
+    along_w, along_h, inverse_re, inverse_im = _dft_bases((h, w), kernel, dilation, x)
+    y = x.reshape(n * c * h, w) @ along_w  # [n c h, (re, im) F_w]
+    y = y.reshape(n * c, h, 2, fw).permute(2, 1, 0, 3).reshape(2 * h, n * c * fw)
+    z = along_h @ y  # [(re, im) M_h, n c F_w]
+    # per frequency, the real and imaginary parts of all samples: [M_h F_w, 2n, C]
+    z = z.reshape(2, mh, n, c, fw).permute(1, 4, 0, 2, 3).reshape(mh * fw, 2 * n, c)
+    # cross-spectrum Σ_n conj(z_c) z_c' = (re_c re_c' + im_c im_c') + i (re_c im_c' - im_c re_c'),
+    # taken to the offsets chunk by chunk of frequencies (the [F, C, C] spectra of wide layers
+    # would not stay in cache)
+    frequencies = mh * fw
+    step = max(1, _DFT_CHUNK_ELEMENTS // (c * c))
+    result = turned = None
+    for lo in range(0, frequencies, step):
+        part = z[lo : lo + step]
+        real = torch.bmm(part.transpose(1, 2), part).reshape(-1, c * c)
+        mixed = torch.bmm(part[:, :n].transpose(1, 2), part[:, n:]).reshape(-1, c * c)
+        if result is None:
+            result = inverse_re[:, lo : lo + step] @ real
+            turned = inverse_im[:, lo : lo + step] @ mixed
+        else:
+            result.addmm_(inverse_re[:, lo : lo + step], real)
+            turned.addmm_(inverse_im[:, lo : lo + step], mixed)
+    offsets = (2 * kh - 1, 2 * kw - 1)
+    result, turned = result.reshape(*offsets, c, c), turned.reshape(*offsets, c, c)
+    # the imaginary part is mixed - mixedᵀ, and enters with a minus sign
+    result = result - turned + turned.transpose(2, 3)
+    return result.permute(2, 3, 0, 1)
 
 
 def _kernel_windows(module: nn.Module, x: Tensor, out_size: Sequence[int]) -> list[list]:
@@ -582,67 +688,82 @@ def correlation_applies(module: nn.Module, x: Tensor, out_size: Sequence[int]) -
         or module.padding_mode != "zeros"
         or any(s != 1 for s in module.stride)
         or x.device.type != "cpu"
+        or math.prod(module.kernel_size) == 1
     ):
         return False
-    rows = x.shape[1] * math.prod(module.kernel_size)
-    positions = math.prod(out_size)
-    if positions < _CORRELATION_MIN_POSITIONS or rows < _CORRELATION_MIN_ROWS:
+    if x.shape[1] * math.prod(module.kernel_size) < _CORRELATION_MIN_ROWS:
         return False
-    work = x.shape[0] * positions
-    if positions >= 4 * _CORRELATION_MIN_POSITIONS:
-        if work < _CORRELATION_MIN_SAMPLE_POSITIONS:
-            return False
-    elif work * x.shape[1] < _CORRELATION_MIN_WORK:
+    if x.shape[0] * x.shape[1] * math.prod(out_size) < _CORRELATION_MIN_WORK:
         return False
-    # each input row/column some offset never reads costs one more (thin) correlation
-    excluded = 0
-    for axis, windows in enumerate(_kernel_windows(module, x, out_size)):
-        size = x.shape[2 + axis]
-        excluded += size - min(w[1] - w[0] for w in windows) if windows else 0
-    return excluded <= 2 * sum(module.kernel_size)
+    # per axis, the most lines one kernel offset skips
+    skipped = [
+        x.shape[2 + axis] - min(w[1] - w[0] for w in windows) if windows else 0
+        for axis, windows in enumerate(_kernel_windows(module, x, out_size))
+    ]
+    share = sum(skipped) / sum(x.shape[2:])
+    thin = max(skipped) <= 1
+    return share <= (_CORRELATION_MAX_THIN_BORDER if thin else _CORRELATION_MAX_BORDER)
+
+
+def _offset_range(
+    kernel: int, dilation: int, size: int, lines: Sequence[int], windows: Sequence[int]
+) -> tuple[int, int]:
+    """Entries i (offset (i - K + 1) d) of border correlations that kernel offsets `windows` use.
+
+    Kernel offset a pairs with every other (entries K - 1 - a to 2K - 2 - a); entries whose
+    partners all lie outside the input (lines + offset) are zero and left out.
+    """
+    lo = max(kernel - 1 - max(windows), kernel - 1 - max(lines) // dilation)
+    hi = min(2 * kernel - 1 - min(windows), kernel + (size - 1 - min(lines)) // dilation)
+    return lo, hi
 
 
 def input_gram_by_correlation(module: nn.Module, x: Tensor, out_size: Sequence[int]) -> Tensor:
     """Σ_{n,l} u_nl u_nlᵀ of the unfolded input of a stride-1, ungrouped, zero-padded Conv2d.
 
     Entry ((c, k), (c', k')) sums x[c, p] x[c', p + (k' - k) d] over the input positions p that
-    offset k reads. The sums over the whole input for all offsets are one correlation (a conv
-    weight gradient); the positions offset k does not read (a few border rows and columns) are
-    subtracted, their intersections added back. Same numbers as the unfolded `U Uᵀ`, with
-    (2K - 1) K (`_full_correlations`) instead of K² (K + 1) / 2 products per channel pair and
-    position.
+    kernel offset k reads. The sums over the whole input for all offsets are one correlation
+    (`_whole_correlations`); the positions offset k = (a, b) does not read, a few border rows
+    and columns, are subtracted (one product for the rows offset a skips, one for the columns
+    b skips), their intersection added back, each only at the offsets that k pairs with. Same
+    numbers as the unfolded `U Uᵀ` up to rounding.
     """
     c, h, w = x.shape[1:]
-    (kh, kw), dilation = module.kernel_size, module.dilation
+    (kh, kw), (dh, dw) = module.kernel_size, module.dilation
     row_windows, col_windows = _kernel_windows(module, x, out_size)
-    ph, pw = (kh - 1) * dilation[0], (kw - 1) * dilation[1]
-    padded = F.pad(x, [pw, pw, ph, ph])
-    full = _full_correlations(x, (kh, kw), dilation)
-    cache: dict[tuple, Tensor] = {}
+    whole = _whole_correlations(x, (kh, kw), (dh, dw))
+    skipped_rows = [[r for r in range(h) if not lo <= r < hi] for lo, hi in row_windows]
+    skipped_cols = [[q for q in range(w) if not lo <= q < hi] for lo, hi in col_windows]
 
-    def part(rows: tuple[int, int], cols: tuple[int, int]) -> Tensor:
-        if (rows, cols) not in cache:
-            cache[rows, cols] = _correlations(x, padded, (kh, kw), dilation, rows, cols)
-        return cache[rows, cols]
+    def correction(rows: list[int], cols: list[int], by_a: list[int], by_b: list[int]) -> Any:
+        """Border correlations as a zero-filled `[C, C, 2Kh - 1, 2Kw - 1]` (None if empty)."""
+        if not rows or not cols:
+            return None
+        (i0, i1), (j0, j1) = (
+            _offset_range(kh, dh, h, rows, by_a),
+            _offset_range(kw, dw, w, cols, by_b),
+        )
+        full = x.new_zeros(c, c, 2 * kh - 1, 2 * kw - 1)
+        if i0 < i1 and j0 < j1:
+            full[:, :, i0:i1, j0:j1] = _border_correlations(
+                x, (kh, kw), (dh, dw), (rows, cols), ((i0, i1), (j0, j1))
+            )
+        return full
 
+    everywhere_a, everywhere_b = list(range(kh)), list(range(kw))
+    all_rows, all_cols = list(range(h)), list(range(w))
+    row_parts = [correction(r, all_cols, [a], everywhere_b) for a, r in enumerate(skipped_rows)]
+    col_parts = [correction(all_rows, q, everywhere_a, [b]) for b, q in enumerate(skipped_cols)]
     blocks = []
-    for rw in row_windows:
-        skipped_rows = [r for r in range(h) if not rw[0] <= r < rw[1]]
-        for cw in col_windows:
-            skipped_cols = [q for q in range(w) if not cw[0] <= q < cw[1]]
-            block = full.clone()
-            for r in skipped_rows:
-                block -= part((r, r + 1), (0, w))
-            for q in skipped_cols:
-                block -= part((0, h), (q, q + 1))
-            for r in skipped_rows:
-                for q in skipped_cols:
-                    block += part((r, r + 1), (q, q + 1))
+    for a in range(kh):
+        for b in range(kw):
+            # offset (a, b) pairs with (a', b') at entry (a' - a + Kh - 1, b' - b + Kw - 1)
+            window = (..., slice(kh - 1 - a, 2 * kh - 1 - a), slice(kw - 1 - b, 2 * kw - 1 - b))
+            block = whole[window].clone()
+            corner = correction(skipped_rows[a], skipped_cols[b], [a], [b])
+            for part, sign in ((row_parts[a], -1), (col_parts[b], -1), (corner, 1)):
+                if part is not None:
+                    block.add_(part[window], alpha=sign)
             blocks.append(block)
-    # block (a, b) holds offset k = (a, b) against every k' at index k' - k + K - 1
-    per_offset = torch.stack(blocks).reshape(kh, kw, c, c, 2 * kh - 1, 2 * kw - 1)
-    a, b, a2, b2 = torch.meshgrid(
-        *(torch.arange(k, device=x.device) for k in (kh, kw, kh, kw)), indexing="ij"
-    )
-    gram = per_offset[a, b, :, :, a2 - a + kh - 1, b2 - b + kw - 1]  # [kh, kw, kh, kw, c, c]
-    return gram.permute(4, 0, 1, 5, 2, 3).reshape(c * kh * kw, c * kh * kw)
+    gram = torch.stack(blocks).reshape(kh, kw, c, c, kh, kw)  # [a, b, c, c', a', b']
+    return gram.permute(2, 0, 1, 3, 4, 5).reshape(c * kh * kw, c * kh * kw)
