@@ -1524,8 +1524,9 @@ class Engine:
             base = overridden_base(record.module)
             if is_parametrized(record.module):
                 why = (
-                    " (its tensors come from torch.nn.utils.parametrize: the gradients w.r.t. "
-                    "the original parameters go through the parametrization)"
+                    " (tensors it uses are computed from its parameters by "
+                    "torch.nn.utils.parametrize or weight_norm/spectral_norm: the gradients "
+                    "w.r.t. those parameters go through that computation)"
                 )
             elif base is not None:
                 why = (

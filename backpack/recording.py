@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 import threading
 import weakref
 from collections.abc import Iterator
@@ -389,21 +390,45 @@ def param_owners(param: Tensor) -> list[nn.Module]:
 OWNS_CHILD_PARAMETERS: set[type] = set()
 
 
-def is_parametrized(module: nn.Module) -> bool:
-    """Whether tensors of `module` are computed by `torch.nn.utils.parametrize`.
-
-    Such a module's forward reads `module.weight` (say) from its parametrization, whose
-    parameters (`parametrizations.weight.original`, ...) are the ones that require grad.
-    """
+def _has_parametrizations(module: nn.Module) -> bool:
+    """Whether `torch.nn.utils.parametrize` computes tensors of `module` (`parametrizations`)."""
     modules = module.__dict__.get("_modules")
     return modules is not None and isinstance(modules.get("parametrizations"), nn.ModuleDict)
+
+
+def reparametrization_hooks(module: nn.Module) -> list[Any]:
+    """The forward pre-hooks of the older `torch.nn.utils.weight_norm` and `spectral_norm`.
+
+    Each recomputes a tensor attribute (`module.weight`) from parameters of the module
+    (`weight_g` and `weight_v`, `weight_orig`) before every forward.
+    """
+    hooks = module.__dict__.get("_forward_pre_hooks")
+    if not hooks:
+        return []
+    from torch.nn.utils import spectral_norm, weight_norm  # the functions shadow the modules
+
+    kinds = (
+        getattr(sys.modules.get(weight_norm.__module__), "WeightNorm", ()),
+        getattr(sys.modules.get(spectral_norm.__module__), "SpectralNorm", ()),
+    )
+    return [h for h in hooks.values() if isinstance(h, kinds)]
+
+
+def is_parametrized(module: nn.Module) -> bool:
+    """Whether tensors that `module`'s forward reads are computed from its parameters.
+
+    By `torch.nn.utils.parametrize` (`module.weight` comes from `parametrizations.weight`, whose
+    `original` parameters require grad) or by the older `weight_norm`/`spectral_norm` hooks.
+    A layer's rule would give gradients w.r.t. the computed tensor, not the parameters.
+    """
+    return _has_parametrizations(module) or bool(reparametrization_hooks(module))
 
 
 def _owned_parameters(module: nn.Module) -> dict[str, Any]:
     # subclasses too (e.g. a MultiheadAttention subclass still uses out_proj functionally)
     if OWNS_CHILD_PARAMETERS and isinstance(module, tuple(OWNS_CHILD_PARAMETERS)):
         return dict(module.named_parameters())
-    if is_parametrized(module):
+    if _has_parametrizations(module):
         # the originals (and any parameters of the parametrizations themselves) are used
         # through this call: a plain tensor attribute read inside its forward
         return {
@@ -738,7 +763,7 @@ def free_after_plain_backward(record: Record) -> None:
 def _is_leaf_or_parametrized(module: nn.Module) -> bool:
     has_children = next(module.children(), None) is not None
     has_params = next(module.parameters(recurse=False), None) is not None
-    return has_params or not has_children or is_parametrized(module)
+    return has_params or not has_children or _has_parametrizations(module)
 
 
 def _parametrization_modules(module: nn.Module) -> set[int]:
@@ -749,7 +774,7 @@ def _parametrization_modules(module: nn.Module) -> set[int]:
     """
     inside: set[int] = set()
     for sub in module.modules():
-        if is_parametrized(sub):
+        if _has_parametrizations(sub):
             inside.update(id(m) for m in sub.parametrizations.modules())
     return inside
 

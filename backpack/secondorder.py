@@ -286,10 +286,11 @@ def check_module_graph(loss_record: Record, exts: list[SecondOrderBackpropExtens
                     )
                 if is_parametrized(module):
                     raise NotImplementedError(
-                        f"{names} cannot handle {describe(module)}: its tensors come from "
-                        "torch.nn.utils.parametrize, whose second derivatives w.r.t. the "
-                        "original parameters are not supported. The GGN family (DiagGGN*, "
-                        "SqrtGGN*, GGNMP) and the first-order extensions are."
+                        f"{names} cannot handle {describe(module)}: tensors it uses are "
+                        "computed from its parameters (torch.nn.utils.parametrize or "
+                        "weight_norm/spectral_norm), whose second derivatives are not "
+                        "supported. The GGN family (DiagGGN*, SqrtGGN*, GGNMP) and the "
+                        "first-order extensions are."
                     )
                 if record.inplace:  # its only node is the one we are at
                     stack.extend(n for n, _ in node.next_functions)

@@ -19,7 +19,13 @@ from torch.func import functional_call, jvp, vjp, vmap
 from torch.nn.utils import parametrize
 
 from backpack.context import CTX
-from backpack.recording import Record, get_param, is_parametrized, tensors_in
+from backpack.recording import (
+    Record,
+    get_param,
+    is_parametrized,
+    reparametrization_hooks,
+    tensors_in,
+)
 from backpack.rules.base import GradOutputs, ModuleRule, Names
 
 
@@ -53,17 +59,32 @@ def _parametrizations_as_in_forward(modules: list[nn.Module]) -> Iterator[None]:
     the transforms pass in.
     """
     inside = [
-        m for p in modules if is_parametrized(p) for m in p.parametrizations.modules() if m.training
+        m
+        for p in modules
+        if "parametrizations" in p._modules
+        for m in p.parametrizations.modules()
+        if m.training
     ]
+    # the older weight_norm/spectral_norm hooks set a plain attribute at every call (which the
+    # transforms would leave holding one of their tensors); spectral_norm iterates in training
+    old_style = [(m, h) for m in modules for h in reparametrization_hooks(m)]
+    saved = [(m, h.name, m.__dict__.get(h.name), m.training) for m, h in old_style]
     cache_depth = getattr(parametrize, "_cache_enabled", 0)
     try:
         for m in inside:
             m.training = False
+        for m, hook in old_style:
+            if hasattr(hook, "n_power_iterations"):  # spectral_norm's
+                m.training = False
         parametrize._cache_enabled = 0
         yield
     finally:
         for m in inside:
             m.training = True
+        for m, name, value, training in saved:
+            m.training = training
+            if value is not None:
+                m.__dict__[name] = value
         parametrize._cache_enabled = cache_depth
 
 

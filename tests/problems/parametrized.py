@@ -1,10 +1,14 @@
-"""Layers whose weights come from `torch.nn.utils.parametrize` (weight norm, orthogonal, custom).
+"""Layers whose weights are computed from their parameters (weight norm, spectral norm, ...).
 
-Their parameters are the parametrizations' originals; the layers get the torch.func fallback
+By `torch.nn.utils.parametrize` (weight norm, orthogonal, custom), whose parameters are the
+parametrizations' originals, and by the older hook-based `nn.utils.weight_norm` and
+`spectral_norm` (`weight_g`/`weight_v`, `weight_orig`). The layers get the torch.func fallback
 (first-order quantities and the GGN family). Spectral norm's training-mode power iteration
 changes the weight at every forward, so it has a test of its own in
 `tests/rules/test_parametrized.py`; here it runs in eval mode.
 """
+
+import warnings
 
 import torch
 from torch import nn
@@ -60,6 +64,27 @@ def weight_norm_conv():
     )
 
 
+def _old_style(function, layer):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # deprecated for torch.nn.utils.parametrize
+        return function(layer)
+
+
+def old_weight_norm_conv():
+    return nn.Sequential(
+        _old_style(nn.utils.weight_norm, nn.Conv2d(2, 3, 2)),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(3 * 3 * 3, 2),
+    )
+
+
+def old_spectral_norm_eval():
+    return nn.Sequential(
+        nn.Linear(4, 5), nn.ReLU(), _old_style(nn.utils.spectral_norm, nn.Linear(5, 3))
+    ).eval()
+
+
 def spectral_norm_eval():
     return nn.Sequential(
         parametrizations.spectral_norm(nn.Linear(4, 6)), nn.Sigmoid(), nn.Linear(6, 3)
@@ -89,4 +114,14 @@ PROBLEMS = [
         tags=FALLBACK,
     ),
     Problem("parametrized-spectral-norm-eval", spectral_norm_eval, randn(5, 4), tags=FALLBACK),
+    Problem(
+        "parametrized-old-weight-norm-conv",
+        old_weight_norm_conv,
+        randn(3, 2, 4, 4),
+        lambda: nn.MSELoss(),
+        tags=FALLBACK,
+    ),
+    Problem(
+        "parametrized-old-spectral-norm-eval", old_spectral_norm_eval, randn(5, 4), tags=FALLBACK
+    ),
 ]

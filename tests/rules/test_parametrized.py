@@ -27,11 +27,14 @@ from backpack.extensions import (
 DT = torch.float64
 
 
-def _model(train=True):
+def _model(train=True, old_style=False):
     torch.manual_seed(0)
-    model = nn.Sequential(
-        parametrizations.spectral_norm(nn.Linear(4, 6)), nn.Tanh(), nn.Linear(6, 3)
-    ).to(DT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the old one is deprecated
+        spectral = (nn.utils.spectral_norm if old_style else parametrizations.spectral_norm)(
+            nn.Linear(4, 6)
+        )
+    model = nn.Sequential(spectral, nn.Tanh(), nn.Linear(6, 3)).to(DT)
     return model.train(train)
 
 
@@ -47,15 +50,20 @@ def _per_sample_reference(model, out, y):
     return [torch.stack([r[i] for r in rows]) for i in range(len(params))]
 
 
-@pytest.mark.parametrize("cached", [False, True], ids=["plain", "parametrize.cached"])
-def test_spectral_norm_in_training_mode_gives_the_forwards_gradients(cached):
-    model = extend(_model())
+@pytest.mark.parametrize(
+    "cached, old_style",
+    [(False, False), (True, False), (False, True)],
+    ids=["plain", "parametrize.cached", "old-style-hook"],
+)
+def test_spectral_norm_in_training_mode_gives_the_forwards_gradients(cached, old_style):
+    model = extend(_model(old_style=old_style))
     x, y = _data()
     ctx = parametrize.cached() if cached else torch.enable_grad()
     with ctx:
         out = model(x)
         reference = _per_sample_reference(model, out, y)
         state = {k: b.clone() for k, b in model.state_dict().items()}
+        forward_weight = model[0].__dict__.get("weight")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the fallback's one-time notice
             with backpack(BatchGrad(), BatchL2Grad()):
@@ -67,6 +75,8 @@ def test_spectral_norm_in_training_mode_gives_the_forwards_gradients(cached):
     for key, value in model.state_dict().items():
         assert torch.equal(value, state[key]), key
     assert all(m.training for m in model.modules())
+    if old_style:  # the hook's attribute still holds the forward's weight, not a transform's
+        assert model[0].__dict__["weight"] is forward_weight
 
 
 def test_parametrization_registered_after_extend():
@@ -118,12 +128,13 @@ def test_ggn_diagonal_of_the_original_parameters():
         torch.testing.assert_close(p.diag_ggn_exact.flatten(), ggn_diag, msg=name)
 
 
+@pytest.mark.parametrize("old_style", [False, True], ids=["parametrize", "old-style-hook"])
 @pytest.mark.parametrize("extension", [DiagHessian, BatchDiagHessian, HMP, PCHMP])
-def test_hessian_extensions_refuse_parametrized_layers(extension):
+def test_hessian_extensions_refuse_parametrized_layers(extension, old_style):
     """The parametrization's own second derivatives are missing: refuse, never a wrong number."""
-    model = extend(_model(train=False))
+    model = extend(_model(train=False, old_style=old_style))
     x, y = _data()
     loss = extend(nn.CrossEntropyLoss())(model(x), y)
-    with pytest.raises(NotImplementedError, match=r"'0' \(ParametrizedLinear\).*parametrize"):
+    with pytest.raises(NotImplementedError, match=r"'0' \((Parametrized)?Linear\).*parametrize"):
         with backpack(extension()):
             loss.backward()
