@@ -60,7 +60,17 @@ def _unsupported_warning(ext: BackpropExtension, module: nn.Module) -> str:
     )
 
 
+def _normalises_with_batch(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._NormBase) for m in module.modules())
+
+
 def _mixing_message(module: nn.Module) -> str:
+    if not _normalises_with_batch(module):
+        return (
+            f"undefined for {describe(module)}: its samples are not independent (a sample "
+            "alone gives another output than within its batch, as with batch statistics, a "
+            "reduction over the batch, or a branch on batch values)."
+        )
     return (
         f"undefined for {describe(module)}: it normalises with statistics of "
         "the whole batch, so samples are mixed. Call model.eval() before the forward pass (with "
@@ -1552,14 +1562,19 @@ class Engine:
         for ext in exts:
             if ext.quantity != "grad_batch":
                 raise NotImplementedError(f"{ext.__class__.__name__} is {_mixing_message(module)}")
-        warnings.warn(
-            f"{module.__class__.__name__} normalises with statistics of the whole batch (training "
-            "mode or track_running_stats=False), so it mixes samples: BatchGrad's per-sample "
-            "results may be meaningless. Use eval mode with running statistics for true "
-            "per-sample gradients.",
-            UserWarning,
-            stacklevel=2,
-        )
+        if _normalises_with_batch(module):
+            why = (
+                "normalises with statistics of the whole batch (training mode or "
+                "track_running_stats=False), so it mixes samples: BatchGrad's per-sample results "
+                "may be meaningless. Use eval mode with running statistics for true per-sample "
+                "gradients."
+            )
+        else:
+            why = (
+                "mixes samples (a sample alone gives another output than within its batch): "
+                "BatchGrad's per-sample results may be meaningless."
+            )
+        warnings.warn(f"{module.__class__.__name__} {why}", UserWarning, stacklevel=2)
         return exts
 
     def _run_user_extension(

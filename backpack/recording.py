@@ -516,14 +516,72 @@ def _shape_only_producer(x: Any) -> Record | None:
     return None
 
 
+class _Independent(torch.autograd.Function):
+    """Identity on several tensors as one autograd node: gradients reach it from outside only."""
+
+    @staticmethod
+    def forward(ctx: Any, *tensors: Tensor) -> tuple[Tensor, ...]:  # noqa: D102
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor, ...]:  # noqa: D102
+        return grads
+
+
+def _node_key(node: Any) -> tuple[str, int]:
+    # node wrappers may be rebuilt on each access (torch 2.11): compare what they wrap
+    return node.name(), node._sequence_nr()
+
+
+def _outputs_nested(out_tensors: list[Tensor], args: tuple) -> bool:
+    """Whether one output of a call was computed from another (LSTMCell: h from c).
+
+    The gradient reaching such an output's node then includes the path through the other
+    output inside the call, which is not a gradient w.r.t. the call's output.
+    """
+    nodes = {_node_key(t.grad_fn): t.grad_fn for t in out_tensors if t.grad_fn is not None}
+    if len(nodes) < 2:
+        return False
+    inputs = {_node_key(a.grad_fn) for a in args if isinstance(a, Tensor) and a.grad_fn is not None}
+    stack = [n for node in nodes.values() for n, _ in node.next_functions if n is not None]
+    for count, node in enumerate(walk_nodes(stack)):
+        key = _node_key(node)
+        if key in nodes or count > 10_000:  # unsure after that many nodes: keep them apart
+            return True
+        if key not in inputs:
+            stack.extend(n for n, _ in node.next_functions if n is not None)
+    return False
+
+
+def _independent_outputs(output: Any, out_tensors: list[Tensor]) -> Any:
+    """The output structure with its differentiable tensors passed through `_Independent`."""
+    replaced = iter(_Independent.apply(*out_tensors))
+
+    def rebuild(obj: Any) -> Any:
+        if isinstance(obj, Tensor):
+            return next(replaced) if obj.requires_grad else obj
+        if isinstance(obj, tuple):
+            items = [rebuild(o) for o in obj]
+            return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+        if isinstance(obj, list):
+            return [rebuild(o) for o in obj]
+        return obj
+
+    return rebuild(output)
+
+
 @torch.compiler.disable
-def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    """Record the call for the next backward (only when it can be differentiated)."""
+def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    """Record the call for the next backward (only when it can be differentiated).
+
+    Returns a replacement output only for calls whose outputs depend on each other.
+    """
     # The hot path of every extended call: a few microseconds per call are a measurable share
     # of a small model's step, so the common case (one output tensor) avoids helper calls.
     local = CTX._local
     if local.internal_depth or not torch.is_grad_enabled():
-        return
+        return None
+    replacement = None
     single = isinstance(output, Tensor)
     if single:
         if not output.requires_grad:
@@ -535,6 +593,10 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
         out_tensors = [t for t in all_out if t.requires_grad]
         if not out_tensors:
             return
+        if len(out_tensors) > 1 and _outputs_nested(out_tensors, args):
+            replacement = output = _independent_outputs(output, out_tensors)
+            all_out = list(tensors_in(output))
+            out_tensors = [t for t in all_out if t.requires_grad]
         out_requires_grad = tuple(t.requires_grad for t in all_out)
     if local.disabled_depth > 0:
         record = Record(module, (), {}, (), None, disabled=True)
@@ -576,6 +638,7 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
             node = tensor.grad_fn
             if node is not None:
                 node.metadata.setdefault(_META_KEY, []).append((record, nr, tensor.output_nr))
+    return replacement
 
 
 def _record_call(

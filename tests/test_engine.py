@@ -16,7 +16,14 @@ from torch import nn
 
 from backpack import backpack, disable, extend
 from backpack.context import CTX
-from backpack.extensions import BatchDotGrad, BatchGrad, BatchL2Grad, SumGradSquared, Variance
+from backpack.extensions import (
+    BatchDotGrad,
+    BatchGrad,
+    BatchL2Grad,
+    DiagGGNExact,
+    SumGradSquared,
+    Variance,
+)
 from backpack.extensions.backprop_extension import BackpropExtension
 from backpack.extensions.firstorder.base import FirstOrderModuleExtension
 from backpack.recording import live_records
@@ -1020,8 +1027,22 @@ class UsesItem(nn.Module):
         return x * self.weight * factor
 
 
+class Centred(nn.Module):
+    """Subtracts the batch mean: vmap runs it, one sample at a time, to another function."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(dim))
+
+    def forward(self, x):
+        y = x * self.weight
+        return y - y.mean(0)
+
+
 @pytest.mark.parametrize("cls", [DataDependent, UsesItem])
 def test_module_where_torch_func_fails_warns_and_writes_nothing(cls):
+    """Nothing for their parameters, never a per-sample number computed from a sample alone
+    that the batch would not give (the gradients reaching the other layers are unaffected)."""
     model = nn.Sequential(nn.Linear(D_IN, D_HID), cls(D_HID), nn.Linear(D_HID, D_OUT)).to(DTYPE)
     plain = copy.deepcopy(model)
     extend(model)
@@ -1042,6 +1063,29 @@ def test_module_where_torch_func_fails_warns_and_writes_nothing(cls):
     for name in ("0.weight", "0.bias", "2.weight", "2.bias"):
         torch.testing.assert_close(model.get_parameter(name).grad_batch, ref[name])
     assert_grads_exact(model, plain_grads(plain, x, y))
+
+
+@pytest.mark.parametrize("extension", [BatchL2Grad, Variance, DiagGGNExact])
+def test_a_module_whose_samples_are_not_independent_is_refused(extension):
+    """Subtracting the batch mean mixes samples, as BatchNorm in training mode does: vmap would
+    run it on each sample alone (another function) without complaint."""
+    model = nn.Sequential(nn.Linear(D_IN, D_HID), Centred(D_HID), nn.Linear(D_HID, D_OUT))
+    extend(model.to(DTYPE))
+    x, y = batch()
+    loss = extend(nn.CrossEntropyLoss())(model(x), y)
+    with pytest.raises(NotImplementedError, match=r"'1' \(Centred\): its samples are not indep"):
+        with backpack(extension()):
+            loss.backward()
+
+
+def test_batch_grad_warns_on_a_module_whose_samples_are_not_independent():
+    model = nn.Sequential(nn.Linear(D_IN, D_HID), Centred(D_HID), nn.Linear(D_HID, D_OUT))
+    extend(model.to(DTYPE))
+    x, y = batch()
+    loss = nn.CrossEntropyLoss()(model(x), y)
+    with pytest.warns(UserWarning, match="Centred mixes samples"):
+        with backpack(BatchGrad()):
+            loss.backward()
 
 
 def test_frozen_parameters_get_nothing():

@@ -140,7 +140,7 @@ class ModuleRule:
 
         try:
             return torch.func.vmap(one_column)(*filled)
-        except (RuntimeError, NotImplementedError):
+        except (RuntimeError, ValueError, NotImplementedError):
             per_column = [one_column(*cols) for cols in zip(*filled)]
             return {n: torch.stack([c[n] for c in per_column]) for n in names}
 

@@ -21,10 +21,12 @@ from torch.nn.utils import parametrize
 from backpack.context import CTX
 from backpack.recording import (
     Record,
+    describe,
     get_param,
     is_parametrized,
     reparametrization_hooks,
     tensors_in,
+    trainable_params,
 )
 from backpack.rules.base import GradOutputs, ModuleRule, Names
 
@@ -107,20 +109,153 @@ def _cotangents(record: Record, grad_outputs: GradOutputs, out_tensors: list[Ten
     return cotangents
 
 
+class _SampleCalls:
+    """A recorded call split into calls on single samples (a batch of one each)."""
+
+    def __init__(self, rule: ModuleRule, record: Record, subsampling: Sequence[int] | None):
+        module = self.module = record.module
+        n = rule.batch_size(record)
+        args, kwargs = record.args, record.kwargs
+
+        def batched(t: Any) -> bool:
+            """A tensor with the samples along axis 0, or a tuple/list of such (an RNN state)."""
+            if isinstance(t, (tuple, list)):
+                return bool(t) and all(batched(item) for item in t)
+            return isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == n
+
+        self.arg_dims = tuple(0 if batched(a) else None for a in args)
+        kwarg_keys = [k for k, v in kwargs.items() if batched(v)]
+        self.static_kwargs = {k: v for k, v in kwargs.items() if k not in kwarg_keys}
+        self.index = None
+        if subsampling is not None:
+            index = self.index = torch.as_tensor(list(subsampling), device=_device(record))
+
+            def select(t: Any) -> Any:
+                return _map_tensors(t, lambda x: x.index_select(0, index))
+
+            args = tuple(select(a) if d == 0 else a for a, d in zip(args, self.arg_dims))
+            kwargs = {k: (select(v) if k in kwarg_keys else v) for k, v in kwargs.items()}
+        self.args = args
+        self.batched_kwargs = {k: kwargs[k] for k in kwarg_keys}
+        self.count = n if subsampling is None else len(subsampling)
+        # running statistics that a training-mode forward updates are updated on copies
+        self.buffers = (
+            {k: b.clone() for k, b in module.named_buffers()} if module.training else {}
+        )
+
+    def call(self, sample_args: tuple, sample_kwargs: dict, p: dict) -> tuple[Tensor, ...]:
+        """The module on one sample with parameters `p`: its output tensors."""
+        call_args = tuple(
+            _map_tensors(a, lambda x: x.unsqueeze(0)) if d == 0 else a
+            for a, d in zip(sample_args, self.arg_dims)
+        )
+        call_kwargs = {
+            k: _map_tensors(v, lambda x: x.unsqueeze(0)) for k, v in sample_kwargs.items()
+        }
+        call_kwargs.update(self.static_kwargs)
+        out = functional_call(self.module, {**self.buffers, **p}, call_args, call_kwargs)
+        return tuple(tensors_in(out))
+
+    def over_samples(self, fn: Callable[[tuple, dict, list], Any], per_sample: list) -> Any:
+        """`fn(sample args, sample kwargs, [t[i] for t in per_sample])` for every sample, stacked.
+
+        Vectorised with vmap; some modules cannot run under vmap (RNN cells fill their default
+        state in place, ...) and get a Python loop over the samples, with the same numbers.
+        """
+        module, args, arg_dims, kwargs = self.module, self.args, self.arg_dims, self.batched_kwargs
+        if type(module) not in _NO_VMAP:
+            try:
+                return vmap(fn, in_dims=(arg_dims, 0, 0), randomness="same")(
+                    args, kwargs, per_sample
+                )
+            except (RuntimeError, ValueError, NotImplementedError):
+                _NO_VMAP.add(type(module))
+        rows = []
+        for i in range(self.count):
+
+            def pick(t: Any, i: int = i) -> Any:
+                return _map_tensors(t, lambda x: x[i])
+
+            rows.append(
+                fn(
+                    tuple(pick(a) if d == 0 else a for a, d in zip(args, arg_dims)),
+                    {k: pick(v) for k, v in kwargs.items()},
+                    [t[i] for t in per_sample],
+                )
+            )
+        if isinstance(rows[0], dict):
+            return {k: torch.stack([row[k] for row in rows]) for k in rows[0]}
+        return tuple(torch.stack(parts) for parts in zip(*rows))
+
+
+def _device(record: Record) -> torch.device:
+    tensor = next(tensors_in((record.args, tuple(record.kwargs.values()))), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
+
+
 class FuncRule(ModuleRule):
     """Per-sample gradients of an arbitrary module via `vmap(vjp(functional_call))`."""
 
     def mixes_samples(self, record: Record) -> bool:
-        """Whether a batch normalisation in the module uses statistics of the batch.
+        """Whether the call's samples are not independent (per-sample results are undefined).
 
-        One sample alone would be normalised with its own statistics: per-sample results of
-        such a call are undefined (e.g. a BatchNorm subclass with its own forward).
+        A batch normalisation inside using statistics of the batch, or any call whose samples
+        give other outputs alone than within the batch (`samples_independent`).
         """
-        return any(
+        if any(
             isinstance(m, nn.modules.batchnorm._BatchNorm)
             and (m.training or (m.running_mean is None and m.running_var is None))
             for m in record.module.modules()
-        )
+        ):
+            return True
+        return not self.samples_independent(record)
+
+    def samples_independent(self, record: Record) -> bool:
+        """Whether each sample, run alone, gives its output of the recorded call (cached).
+
+        The fallback computes a sample's gradient from a call on that sample alone, which is
+        its gradient only if the call treats samples independently: batch statistics,
+        `.item()` of a batch reduction or a branch on batch values would give wrong numbers.
+        Undecided (True) inside torch.func transforms and for shape-only records.
+        """
+        known = record.extra.get(_SAMPLES_INDEPENDENT)
+        if known is not None:
+            return known
+        if record.shape_only or _inside_transform():
+            return True
+        calls = _SampleCalls(self, record, None)
+        names = trainable_params(record.module)
+        params = {k: get_param(record.module, k).detach() for k in names}
+        try:
+            with torch.no_grad(), CTX.internal(), transformable(record.module):
+                alone = calls.over_samples(
+                    lambda a, k, _: calls.call(a, k, params), [torch.empty(calls.count, 0)]
+                )
+        except Exception:  # noqa: BLE001 - cannot run per sample at all: the rules will say so
+            return True
+        independent = _same_outputs(alone, list(tensors_in(record.output_structure)))
+        record.extra[_SAMPLES_INDEPENDENT] = independent
+        return independent
+
+    def _require_independent(self, record: Record) -> None:
+        if not self.samples_independent(record):
+            raise NotImplementedError(
+                f"{describe(record.module)} gives another output for a sample alone than within "
+                "its batch, so its samples are not independent (batch statistics, a reduction "
+                "over the batch, or a branch on batch values) and per-sample quantities are "
+                "undefined for it."
+            )
+
+    def sqrt_factor(
+        self,
+        record: Record,
+        factors: Sequence[Tensor | None],
+        names: Names,
+        subsampling: Sequence[int] | None = None,
+    ) -> dict[str, Tensor]:
+        """Jᵀ f per factor column and sample, once the samples are known to be independent."""
+        self._require_independent(record)  # here: per_sample_grads runs inside a vmap
+        return super().sqrt_factor(record, factors, names, subsampling)
 
     def per_sample_grads(
         self,
@@ -130,46 +265,66 @@ class FuncRule(ModuleRule):
         subsampling: Sequence[int] | None = None,
     ) -> dict[str, Tensor]:
         """Per-sample gradients for the parameters `names` of `record.module`."""
-        module = record.module
-        n = self.batch_size(record)
+        self._require_independent(record)
         out_tensors = list(tensors_in(record.output_structure))
         cotangents = _cotangents(record, grad_outputs, out_tensors)
-        params = {name: get_param(module, name).detach() for name in names}
-        args, kwargs = record.args, record.kwargs
-
-        def batched(t: Any) -> bool:
-            return isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == n
-
-        arg_dims = tuple(0 if batched(a) else None for a in args)
-        kwarg_keys = [k for k, v in kwargs.items() if batched(v)]
-        static_kwargs = {k: v for k, v in kwargs.items() if k not in kwarg_keys}
-        if subsampling is not None:
-            index = torch.as_tensor(subsampling, device=cotangents[0].device)
-            args = tuple(a.index_select(0, index) if d == 0 else a for a, d in zip(args, arg_dims))
-            kwargs = {
-                k: (v.index_select(0, index) if k in kwarg_keys else v) for k, v in kwargs.items()
-            }
-            cotangents = [c.index_select(0, index) for c in cotangents]
+        calls = _SampleCalls(self, record, subsampling)
+        if calls.index is not None:
+            cotangents = [c.index_select(0, calls.index) for c in cotangents]
+        params = {name: get_param(record.module, name).detach() for name in names}
 
         def one_sample(sample_args: tuple, sample_kwargs: dict, sample_cots: list) -> dict:
-            call_args = tuple(
-                a.unsqueeze(0) if d == 0 else a for a, d in zip(sample_args, arg_dims)
-            )
-            call_kwargs = {k: v.unsqueeze(0) for k, v in sample_kwargs.items()}
-            call_kwargs.update(static_kwargs)
-
-            def f(p: dict) -> tuple[Tensor, ...]:
-                out = functional_call(module, p, call_args, call_kwargs)
-                return tuple(tensors_in(out))
-
-            _, pullback = vjp(f, params)
+            _, pullback = vjp(lambda p: calls.call(sample_args, sample_kwargs, p), params)
             return pullback(tuple(c.unsqueeze(0) for c in sample_cots))[0]
 
-        batched_kwargs = {k: kwargs[k] for k in kwarg_keys}
-        with torch.enable_grad(), CTX.internal(), transformable(module):
-            return vmap(one_sample, in_dims=(arg_dims, 0, 0), randomness="same")(
-                args, batched_kwargs, cotangents
-            )
+        with torch.enable_grad(), CTX.internal(), transformable(record.module):
+            return calls.over_samples(one_sample, cotangents)
+
+
+#: `Record.extra` key: whether the call's samples give their outputs alone (`samples_independent`)
+_SAMPLES_INDEPENDENT = "generic_samples_independent"
+#: module classes whose functional calls failed under vmap (the per-sample loop serves them)
+_NO_VMAP: set[type] = set()
+
+
+def _inside_transform() -> bool:
+    """Whether a torch.func transform is running (its tensors cannot be compared to values)."""
+    level = getattr(torch._C._functorch, "maybe_current_level", None)
+    return level is not None and level() is not None
+
+
+#: relative deviation of a sample's output computed alone from its output in the batch beyond
+#: which the module is taken to couple its samples (16-bit forwards round to about 4e-3)
+_ALONE_TOLERANCE = {torch.float64: 1e-8}
+_ALONE_TOLERANCE_DEFAULT = 1e-2
+
+
+def _same_outputs(alone: tuple[Tensor, ...], recorded: list[Tensor]) -> bool:
+    """Whether outputs of single-sample calls `[N, 1, ...]` match the recorded batch outputs."""
+    for computed, expected in zip(alone, recorded):
+        if computed.dim() < 2 or computed.shape[1] != 1 or computed.shape[0] != expected.shape[0]:
+            continue
+        computed = computed.squeeze(1)
+        if computed.shape != expected.shape or not expected.is_floating_point():
+            continue
+        scale = max(expected.abs().max().item(), 1e-30)
+        tol = _ALONE_TOLERANCE.get(expected.dtype, _ALONE_TOLERANCE_DEFAULT) * scale
+        if (computed.to(expected.dtype) - expected).abs().max() > tol:
+            return False
+    return True
+
+
+def _map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    """`fn` applied to a tensor, or to each tensor of a (nested) tuple/list."""
+    if isinstance(obj, Tensor):
+        return fn(obj)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_map_tensors(o, fn) for o in obj)
+    return obj
+
+
+#: module classes whose functional calls failed under vmap (the per-sample loop serves them)
+_NO_VMAP: set[type] = set()
 
 
 def _functional_outputs(

@@ -1,4 +1,4 @@
-"""`nn.RNN` (tanh / relu) and `nn.LSTM`: per-sample gradients through the recurrence.
+"""`nn.RNN` (tanh / relu), `nn.LSTM` and `nn.GRU`: per-sample gradients through the recurrence.
 
 In every layer and direction the step t computes the pre-activation
 z_t = W_ih x_t + b_ih + W_hh h_{t-1} + b_hh (for LSTM the four stacked gates i, f, g, o), where
@@ -14,6 +14,12 @@ h_{t-1}, and ∂L/∂u_t = δ_t). One `torch.autograd.grad` of Σ (recomputed ou
 gradients) with respect to every u then yields δ for all steps, layers, directions and samples,
 and the parameter gradients are einsums over the time axis. The recurrence itself runs in torch's
 kernels (cuDNN on GPU), not in a Python loop.
+
+GRU (gates r, z, n) adds its hidden projection inside the reset gate for n:
+n_t = tanh(W_in x_t + b_in + r_t ⊙ (W_hn h_{t-1} + b_hn)). So u_t = W_ih x_t + b_ih only, b_hh
+stays in the fused recurrence, δ_t = ∂L/∂u_t gives W_ih and b_ih, and the hidden side gets
+ε_t = (δ_r, δ_z, r_t ⊙ δ_n): W_hh: Σ_t ε_t h_{t-1}ᵀ, b_hh: Σ_t ε_t, with r_t recomputed from
+u_t and h_{t-1}.
 
 Output gradients cover everything the call returned: the sequence output and the final states
 h_n (and c_n), so models that read the last hidden state, or pass an initial state, are handled.
@@ -39,9 +45,12 @@ from backpack.rules.base import GradOutputs, ModuleRule, Names, gram, register_r
 
 _RECURRENCES: dict[str, Callable[..., Any]] = {
     "LSTM": _VF.lstm,
+    "GRU": _VF.gru,
     "RNN_TANH": _VF.rnn_tanh,
     "RNN_RELU": _VF.rnn_relu,
 }
+#: stacked gates per hidden unit
+_GATES = {"LSTM": 4, "GRU": 3}
 
 
 #: key in `Record.extra` under which the summed gradients of a call are kept for its parameters
@@ -133,16 +142,16 @@ def _rerun(
             (compared with the first n sequences of the re-run).
 
     Returns:
-        For each parameter suffix ("_l0", "_l0_reverse", ...): δ, the layer input and the
-        previous hidden states, all time-major `[T, N, *]` in the order in which that direction
-        processes the sequence.
+        For each parameter suffix ("_l0", "_l0_reverse", ...): δ, the layer input, the
+        previous hidden states and ε (the gradient at W_hh h_{t-1} + b_hh: δ but for GRU), all
+        time-major `[T, N, *]` in the order in which that direction processes the sequence.
 
     """
-    is_lstm = module.mode == "LSTM"
+    is_lstm, is_gru = module.mode == "LSTM", module.mode == "GRU"
     recurrence = _RECURRENCES[module.mode]
     layers, dirs = module.num_layers, 2 if module.bidirectional else 1
     hidden, n = module.hidden_size, x.shape[1]
-    gates = (4 if is_lstm else 1) * hidden
+    gates = _GATES.get(module.mode, 1) * hidden
     eye = torch.eye(gates, dtype=x.dtype, device=x.device)
     if hx is None:
         h0 = x.new_zeros(layers * dirs, n, hidden)
@@ -163,12 +172,12 @@ def _rerun(
                 suffix = f"_l{k}" + ("_reverse" if d else "")
                 w_ih = getattr(module, f"weight_ih{suffix}").detach()
                 w_hh = getattr(module, f"weight_hh{suffix}").detach()
-                bias = None
+                bias = b_hh = None
                 if module.bias:
-                    bias = (
-                        getattr(module, f"bias_ih{suffix}").detach()
-                        + getattr(module, f"bias_hh{suffix}").detach()
-                    )
+                    bias = getattr(module, f"bias_ih{suffix}").detach()
+                    b_hh = getattr(module, f"bias_hh{suffix}").detach()
+                    if not is_gru:  # both biases add to the pre-activation
+                        bias, b_hh = bias + b_hh, None
                 seq = layer_in.flip(0) if d else layer_in
                 u = nn.functional.linear(seq, w_ih, bias)
                 if not u.requires_grad:
@@ -176,13 +185,20 @@ def _rerun(
                 idx = k * dirs + d
                 state_h = h0[idx : idx + 1]
                 state = (state_h, c0[idx : idx + 1]) if is_lstm else state_h
-                res = recurrence(u, state, [eye, w_hh], False, 1, 0.0, True, False, False)
+                weights = [eye, w_hh] if b_hh is None else [eye, w_hh, torch.zeros_like(b_hh), b_hh]
+                res = recurrence(
+                    u, state, weights, b_hh is not None, 1, 0.0, True, False, False
+                )
                 out = res[0]
                 finals_h.append(res[1])
                 if is_lstm:
                     finals_c.append(res[2])
                 h_prev = torch.cat([state_h, out[:-1].detach()], 0)
-                leaves.append((suffix, u, seq.detach(), h_prev))
+                reset = None
+                if is_gru:  # r_t = σ(u_r + W_hr h_{t-1} + b_hr)
+                    pre = u[..., :hidden].detach() + h_prev @ w_hh[:hidden].T
+                    reset = torch.sigmoid(pre if b_hh is None else pre + b_hh[:hidden])
+                leaves.append((suffix, u, seq.detach(), h_prev, reset))
                 outs.append(out.flip(0) if d else out)
             layer_in = torch.cat(outs, -1) if dirs > 1 else outs[0]
         recomputed = [layer_in, torch.cat(finals_h, 0)]
@@ -191,20 +207,25 @@ def _rerun(
         # one backward of Σ (recomputed outputs · recorded output gradients) to every u
         grads = [g.to(r.dtype) for g, r in zip(grads, recomputed, strict=True)]
         deltas = torch.autograd.grad(
-            recomputed, [u for _, u, _, _ in leaves], grads, allow_unused=True
+            recomputed, [leaf[1] for leaf in leaves], grads, allow_unused=True
         )
     # the final states depend on every layer, direction and step: one cheap comparison
     n = recorded_h_n.shape[1]  # the first n sequences of the re-run are the recorded ones
     _check_recomputed(module, recomputed[1][:, :n].detach(), recorded_h_n, "final state h_n")
-    return {
-        suffix: (torch.zeros_like(u) if delta is None else delta, seq, h_prev)
-        for (suffix, u, seq, h_prev), delta in zip(leaves, deltas, strict=True)
-    }
+    result = {}
+    for (suffix, u, seq, h_prev, reset), delta in zip(leaves, deltas, strict=True):
+        delta = torch.zeros_like(u) if delta is None else delta
+        hidden_delta = delta
+        if reset is not None:  # GRU: the n gate's hidden projection is scaled by r_t
+            gated = reset * delta[..., 2 * hidden :]
+            hidden_delta = torch.cat([delta[..., : 2 * hidden], gated], -1)
+        result[suffix] = (delta, seq, h_prev, hidden_delta)
+    return result
 
 
-@register_rule(nn.RNN, nn.LSTM)
+@register_rule(nn.RNN, nn.LSTM, nn.GRU)
 class RNNRule(ModuleRule):
-    """Per-sample gradients of `nn.RNN` (tanh, relu) and `nn.LSTM`.
+    """Per-sample gradients of `nn.RNN` (tanh, relu), `nn.LSTM` and `nn.GRU`.
 
     Any number of layers, both directions, with or without bias, `batch_first` either way,
     unbatched `[T, in]` inputs and user-provided initial states. Not supported (clear
@@ -331,15 +352,16 @@ def _column_grads(
         hx = tuple(repeat(h) for h in hx) if isinstance(hx, tuple) else repeat(hx)
 
     result = {}
-    for suffix, (delta, seq, h_prev) in _rerun(module, x, hx, grads, h_n).items():
-        for name, other in ((f"weight_ih{suffix}", seq), (f"weight_hh{suffix}", h_prev)):
+    for suffix, (delta, seq, h_prev, hidden_delta) in _rerun(module, x, hx, grads, h_n).items():
+        for name, d, other in (
+            (f"weight_ih{suffix}", delta, seq),
+            (f"weight_hh{suffix}", hidden_delta, h_prev),
+        ):
             if name in names:
-                result[name] = (
-                    gram(delta, other) if summed else torch.einsum("tbg,tbi->bgi", delta, other)
-                )
-        for name in (f"bias_ih{suffix}", f"bias_hh{suffix}"):
+                result[name] = gram(d, other) if summed else torch.einsum("tbg,tbi->bgi", d, other)
+        for name, d in ((f"bias_ih{suffix}", delta), (f"bias_hh{suffix}", hidden_delta)):
             if name in names:
-                result[name] = delta.sum((0, 1)) if summed else delta.sum(0)
+                result[name] = d.sum((0, 1)) if summed else d.sum(0)
     if summed:
         return result
     return {name: value.reshape(v, n, *value.shape[1:]) for name, value in result.items()}

@@ -1,4 +1,4 @@
-"""Problems with nn.RNN (tanh, relu) and nn.LSTM: Sequential models and custom forwards."""
+"""Problems with nn.RNN (tanh, relu), nn.LSTM and nn.GRU: Sequential models and custom forwards."""
 
 import torch
 from torch import nn
@@ -97,6 +97,74 @@ class RNNWithInitialStateKwarg(nn.Module):
         return self.head(out[-1] + h_n[0])
 
 
+def seq_gru():
+    """GRU (batch_first) -> sequence output -> flatten -> Linear."""
+    return nn.Sequential(
+        nn.GRU(3, 4, batch_first=True), ReduceTuple(0), nn.Flatten(), nn.Linear(4 * 4, 3)
+    )
+
+
+class DeepBidirectionalGRU(nn.Module):
+    """Two-layer bidirectional GRU on `[T, N, in]` with an initial state from the first step."""
+
+    def __init__(self, bias=True):
+        super().__init__()
+        self.init = nn.Linear(3, 4 * 2)
+        self.gru = nn.GRU(3, 2, num_layers=2, bidirectional=True, bias=bias)
+        self.head = nn.Linear(2 * 2 + 2 * 2, 3)
+
+    def forward(self, x):
+        h0 = torch.tanh(self.init(x[0])).reshape(-1, 4, 2).transpose(0, 1).contiguous()
+        out, h_n = self.gru(x, h0)
+        summary = torch.cat([h_n[-2], h_n[-1]], 1)
+        return self.head(torch.cat([summary, out.mean(0)], 1))
+
+
+class Cells(nn.Module):
+    """LSTMCell, GRUCell and RNNCell unrolled by hand over `[N, T, in]` (torch.func fallback).
+
+    LSTMCell's h is computed from its c inside the call, and both feed the next step.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTMCell(3, 4)
+        self.gru = nn.GRUCell(4, 3)
+        self.rnn = nn.RNNCell(3, 2, nonlinearity="relu")
+        self.head = nn.Linear(2 + 4, 3)
+
+    def forward(self, x):
+        state = None
+        for t in range(x.shape[1]):
+            state = self.lstm(x[:, t], state)
+        h = self.gru(state[0])
+        h = self.gru(torch.tanh(state[1]), h)
+        return self.head(torch.cat([self.rnn(h), state[1]], 1))
+
+
+class NestedOutputs(nn.Module):
+    """A parametrized module returning (y, softmax(y)): one output computed from the other."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 3) / 2)
+
+    def forward(self, x):
+        y = x @ self.weight.T
+        return y, torch.softmax(y, 1)
+
+
+class UsesNestedOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.nested = NestedOutputs()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        y, p = self.nested(x)
+        return self.head(torch.cat([y, p], 1))
+
+
 PROBLEMS = [
     Problem("rnn-tanh-seq-ce-mean", seq_rnn, randn(4, 5, 3), tags={"first", "second"}),
     Problem(
@@ -124,5 +192,19 @@ PROBLEMS = [
     Problem(
         "rnn-initial-state-kwarg-mse-mean", RNNWithInitialStateKwarg, randn(3, 4, 2),
         lambda: nn.MSELoss(),
+    ),
+    Problem("gru-seq-ce-mean", seq_gru, randn(4, 4, 3), tags={"first", "second"}),
+    Problem(
+        "gru-timemajor-2layer-bidir-initial-state-mse-sum", DeepBidirectionalGRU, randn(3, 4, 3),
+        lambda: nn.MSELoss(reduction="sum"), tags={"first", "second"},
+    ),
+    Problem(
+        "gru-timemajor-2layer-bidir-nobias-ce-sum", lambda: DeepBidirectionalGRU(bias=False),
+        randn(4, 3, 3), lambda: nn.CrossEntropyLoss(reduction="sum"),
+    ),
+    Problem("cells-unrolled-ce-mean", Cells, randn(4, 3, 3), tags={"first", "second", "reuse"}),
+    Problem(
+        "module-with-nested-outputs-mse-sum", UsesNestedOutputs, randn(5, 3),
+        lambda: nn.MSELoss(reduction="sum"), tags={"first", "second"},
     ),
 ]
