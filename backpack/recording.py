@@ -14,7 +14,7 @@ import itertools
 import math
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -23,9 +23,11 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from backpack.context import CTX
 
-#: id(module) -> weak references to its records (uses in graphs that may still exist); entries
-#: die with their module
-_LIVE_RECORDS: dict[int, list[weakref.ref[Record]]] = {}
+#: id(module) -> (weak references to its records (uses in graphs that may still exist), in
+#: creation order, as keys of a dict; that dict's `pop`, the references' callback). Each reference
+#: removes itself when its record dies (C code, no lock: adding is one dict store). Entries die
+#: with their module.
+_LIVE_RECORDS: dict[int, tuple[dict[weakref.ref[Record], None], Callable[..., Any]]] = {}
 #: id(parameter) -> weak set of the modules that use it directly (tied weights have several).
 #: Keyed by id because tensors compare elementwise; entries die with their parameter.
 _PARAM_OWNERS: dict[int, weakref.WeakSet[nn.Module]] = {}
@@ -36,6 +38,9 @@ _META_KEY = "backpack_records"
 _LOCK = threading.RLock()
 #: creation order of records (losses of one backward are ordered by it)
 _ORDER = itertools.count()
+#: called for every record (module-level names are a lookup cheaper)
+_get_ident = threading.get_ident
+_graph_task_id = torch._C._current_graph_task_id
 #: module classes whose calls are loss calls (the loss rules register theirs)
 LOSS_CLASSES: set[type] = {nn.modules.loss._Loss}
 #: records of loss calls whose graphs may still exist
@@ -137,39 +142,64 @@ class Record:
         output_structure: Any,
         disabled: bool = False,
     ) -> None:
+        versions = tuple([a._version if isinstance(a, Tensor) else None for a in args])
+        self._setup(
+            module, args, kwargs, outputs, output_structure, disabled, versions, (), False, False,
+            None, (),
+        )
+
+    def _setup(
+        self,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        outputs: tuple[Tensor, ...],
+        output_structure: Any,
+        disabled: bool,
+        versions: tuple[int | None, ...],
+        input_edges: tuple[Any, ...] | list[Any],
+        inplace: bool,
+        shape_only: bool,
+        input_producer: Record | None,
+        out_requires_grad: tuple[bool, ...],
+    ) -> None:
+        # Every slot is set here. The forward hook calls this on `Record.__new__(Record)` with
+        # what it already knows: calling the class (with keywords) cost as much as all of this.
         self.module = module
         self.args = args
         self.kwargs = kwargs
         self.outputs = outputs
         self.output_structure = output_structure
-        self.versions = tuple([a._version if isinstance(a, Tensor) else None for a in args])
+        #: versions of the tensor inputs at the call (None for other inputs)
+        self.versions = versions
         self.training = module.training
         #: for each tensor of the output structure (depth first): does it require grad?
-        self.out_requires_grad: tuple[bool, ...] = ()
+        self.out_requires_grad = out_requires_grad
         self.disabled = disabled
         self.freed = False
         #: per-backward scratch space of the engine (second-order factors, ...)
         self.extra: dict[str, Any] = {}
         #: autograd edges of the tensor inputs (None where an input needs no grad or aliases
-        #: an output, which would make the graph own a reference to itself)
-        self.input_edges: tuple[Any, ...] = ()
-        self.inplace = False
+        #: an output, which would make the graph own a reference to itself); a list: what
+        #: the forward noted, made edges on first read (`input_edges`)
+        self._input_edges = input_edges
+        self.inplace = inplace
         #: the call returned its input unchanged (Identity, Dropout in eval mode): graph walks
         #: look through it
         self.identity = False
         #: the thread that ran the forward (CUDA backward hooks run on other threads)
-        self.thread = threading.get_ident()
+        self.thread = _get_ident()
         self.order = next(_ORDER)
         #: the forward ran inside a backward pass (a reentrant checkpoint's recomputation)
-        self.recomputed = torch._C._current_graph_task_id() != -1
+        self.recomputed = _graph_task_id() != -1
         #: for a view of another record (rules see a reshaped call): that record
         self.origin: Record | None = None
         self._half_checked = False
         #: the outputs are `_shape_only` stand-ins (see `SHAPE_ONLY_OUTPUTS`)
-        self.shape_only = False
+        self.shape_only = shape_only
         #: for an idempotent activation keeping its output as input: the shape-only record
         #: whose output the true input was (`input_values` recomputes it from there)
-        self.input_producer: Record | None = None
+        self.input_producer = input_producer
 
     @property
     def input0(self) -> Tensor:
@@ -205,15 +235,15 @@ class Record:
     @property
     def input_edges(self) -> tuple[Any, ...]:
         """Autograd edges of the tensor inputs (None where no gradient flows or in place)."""
-        if any(isinstance(e, Tensor) for e in self._input_edges):
-            self._input_edges = tuple(
-                get_gradient_edge(e) if isinstance(e, Tensor) else e for e in self._input_edges
-            )
-        return self._input_edges
+        edges = self._input_edges
+        if type(edges) is list:
+            # as the forward left them (see `_as_edge`): made edges on first use
+            edges = self._input_edges = tuple([_as_edge(e) for e in edges])
+        return edges
 
     @input_edges.setter
     def input_edges(self, edges: tuple[Any, ...]) -> None:
-        self._input_edges = edges
+        self._input_edges = list(edges)
 
     def free(self) -> None:
         """Drop the recorded tensors (memory is returned as soon as autograd is done too)."""
@@ -299,6 +329,23 @@ class Record:
                 )
 
 
+_new_record = Record.__new__
+
+
+def _as_edge(entry: Any) -> Any:
+    """The autograd edge of what a forward noted for an input (None stays None).
+
+    A `GradientEdge`; a leaf tensor (its edge, the grad accumulator, is built on first use: it
+    cannot move); or a plain `(node, output_nr)` tuple (a `GradientEdge` costs a Python call
+    on every forward).
+    """
+    if isinstance(entry, Tensor):
+        return get_gradient_edge(entry)
+    if type(entry) is tuple:
+        return GradientEdge(*entry)
+    return entry
+
+
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -318,16 +365,25 @@ def promote_half(obj: Any) -> Any:
     return obj
 
 
-def _remember(module: nn.Module, record: Record) -> None:
+def _live_refs(module: nn.Module) -> tuple[dict[weakref.ref[Record], None], Callable[..., Any]]:
+    """`module`'s entry of `_LIVE_RECORDS` (created on its first call)."""
     key = id(module)
+    entry = _LIVE_RECORDS.get(key)
+    if entry is None:
+        with _LOCK:
+            entry = _LIVE_RECORDS.get(key)
+            if entry is None:
+                refs: dict[weakref.ref[Record], None] = {}
+                entry = _LIVE_RECORDS[key] = (refs, refs.pop)
+                weakref.finalize(module, _LIVE_RECORDS.pop, key, None)
+    return entry
+
+
+def _remember(module: nn.Module, record: Record) -> None:
+    """Count `record` among its module's uses until it dies (once per record)."""
+    refs, forget = _LIVE_RECORDS.get(id(module)) or _live_refs(module)
+    refs[weakref.ref(record, forget)] = None
     with _LOCK:
-        refs = _LIVE_RECORDS.get(key)
-        if refs is None:
-            refs = _LIVE_RECORDS[key] = []
-            weakref.finalize(module, _LIVE_RECORDS.pop, key, None)
-        elif len(refs) >= 4:
-            refs[:] = [r for r in refs if r() is not None]
-        refs.append(weakref.ref(record))
         if is_loss_module(module) and not record.disabled:
             _LOSS_RECORDS.add(record)
         elif not record.disabled and module._parameters and sample_free(record.args):
@@ -369,7 +425,11 @@ def live_loss_records() -> list[Record]:
 
 
 def _records(module: nn.Module) -> list[Record]:
-    alive = [r() for r in _LIVE_RECORDS.get(id(module), ())]
+    entry = _LIVE_RECORDS.get(id(module))
+    if entry is None:
+        return []
+    # a copy first: records die (and leave the dict) at any time, also in other threads
+    alive = [r() for r in tuple(entry[0])]
     return [r for r in alive if r is not None]
 
 
@@ -399,11 +459,25 @@ def is_parametrized(module: nn.Module) -> bool:
     return modules is not None and isinstance(modules.get("parametrizations"), nn.ModuleDict)
 
 
+#: class -> does it own its children's parameters (subclasses too: a MultiheadAttention
+#: subclass still uses out_proj functionally); cached per class, as it is asked on every call,
+#: and started over when a rule registers a class (`OWNS_CHILD_PARAMETERS` only grows)
+_OWNS_CHILDREN: dict[type, bool] = {}
+_OWNS_CHILDREN_SIZE = [0]
+
+
 def _owned_parameters(module: nn.Module) -> dict[str, Any]:
-    # subclasses too (e.g. a MultiheadAttention subclass still uses out_proj functionally)
-    if OWNS_CHILD_PARAMETERS and isinstance(module, tuple(OWNS_CHILD_PARAMETERS)):
+    cls = type(module)
+    owns = _OWNS_CHILDREN.get(cls)
+    if owns is None or _OWNS_CHILDREN_SIZE[0] != len(OWNS_CHILD_PARAMETERS):
+        if _OWNS_CHILDREN_SIZE[0] != len(OWNS_CHILD_PARAMETERS) or len(_OWNS_CHILDREN) > 4096:
+            _OWNS_CHILDREN.clear()
+            _OWNS_CHILDREN_SIZE[0] = len(OWNS_CHILD_PARAMETERS)
+        owns = _OWNS_CHILDREN[cls] = issubclass(cls, tuple(OWNS_CHILD_PARAMETERS))
+    if owns:
         return dict(module.named_parameters())
-    if is_parametrized(module):
+    modules = module.__dict__.get("_modules")
+    if modules and isinstance(modules.get("parametrizations"), nn.ModuleDict):  # parametrized
         # the originals (and any parameters of the parametrizations themselves) are used
         # through this call: a plain tensor attribute read inside its forward
         return {
@@ -496,12 +570,16 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
     """Record the call for the next backward (only when it can be differentiated)."""
     # The hot path of every extended call: a few microseconds per call are a measurable share
     # of a small model's step, so the common case (one output tensor) avoids helper calls.
-    local = CTX._local
+    local = _LOCAL
     if local.internal_depth or not torch.is_grad_enabled():
         return
     single = isinstance(output, Tensor)
     if single:
         if not output.requires_grad:
+            return
+        node = output.grad_fn
+        if node is not None and not local.disabled_depth:
+            _record_single(module, args, kwargs, output, node)
             return
         out_tensors = [output]
         out_requires_grad: tuple[bool, ...] = (True,)
@@ -551,6 +629,126 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
             node = tensor.grad_fn
             if node is not None:
                 node.metadata.setdefault(_META_KEY, []).append((record, nr, tensor.output_nr))
+
+
+def _record_single(
+    module: nn.Module, args: tuple, kwargs: dict, output: Tensor, node: Any
+) -> None:
+    """Record a call whose output is one tensor produced by the autograd `node`.
+
+    The common case of `_forward_hook`, `_record_call` and `_remember` in one pass over the
+    inputs: every helper call, generator and repeated tensor attribute read showed up in the
+    step time of small models (each call costs a few microseconds, more with cold caches).
+    """
+    cls = type(module)
+    inplace = False
+    #: whether a kept tensor input requires grad, and the first kept tensor (`sample_free`)
+    kept_needs_grad = False
+    first = None
+    kept = []
+    versions = []
+    edges = []
+    for a in args:
+        if isinstance(a, Tensor):
+            versions.append(a._version)
+            if a is output:
+                # in place: kept detached (the graph would otherwise own itself)
+                inplace = True
+                a = a.detach()
+                edges.append(None)
+            elif a.requires_grad:
+                kept_needs_grad = True
+                # snapshot (node, output index): later in-place ops on `a` cannot move it
+                # (`_as_edge` makes the edge when one is needed)
+                a_node = a.grad_fn
+                edges.append(a if a_node is None else (a_node, a.output_nr))
+            else:
+                edges.append(None)
+            if first is None:
+                first = a
+            kept.append(a)
+        else:
+            versions.append(None)
+            edges.append(None)
+            kept.append(_detach(a))
+    shape_only = (
+        cls in SHAPE_ONLY_OUTPUTS and not inplace and output.numel() >= SHAPE_ONLY_MIN_ELEMENTS
+    )
+    structure = _shape_only(output) if shape_only else output.detach()
+    producer = None
+    if cls in IDEMPOTENT_ACTIVATIONS and len(args) == 1 and not inplace:
+        producer = _shape_only_producer(args[0])
+        if producer is not None:
+            # see `_record_call`: the output stands in for the input
+            first = output.detach()
+            kept = [first]
+            versions = [first._version]
+            kept_needs_grad = False
+    record = _new_record(Record)
+    record._setup(
+        module,
+        tuple(kept),
+        {k: _keep(v, [output]) for k, v in kwargs.items()} if kwargs else {},
+        (structure,),
+        structure,
+        False,
+        tuple(versions),
+        edges,
+        inplace,
+        shape_only,
+        producer,
+        (True,),
+    )
+    identity = inplace and not module._parameters and _META_KEY in node.metadata
+    record.identity = identity
+    params = _owned_parameters(module)
+    if params and module.__dict__.get("_backpack_owner_ids") != tuple(map(id, params.values())):
+        _register_owners(module, params)
+    # `_remember`, with the loss and `sample_free` tests on what is known already
+    is_loss = _IS_LOSS_CLASS.get(cls)
+    if is_loss is None:
+        is_loss = is_loss_module(module)
+    if is_loss:
+        tracked = _LOSS_RECORDS
+    elif (
+        module._parameters
+        and not kept_needs_grad
+        and first is not None
+        and (not first.dtype.is_floating_point or first.dim() == 0 or first.shape[0] == 1)
+    ):
+        tracked = _SAMPLE_FREE
+    else:
+        tracked = None
+    refs, forget = _LIVE_RECORDS.get(id(module)) or _live_refs(module)
+    refs[weakref.ref(record, forget)] = None
+    if tracked is not None:
+        with _LOCK:  # (weak sets are iterated under the lock)
+            tracked.add(record)
+    # The hook closure (stored on the graph) owns the record: it dies with the graph. It
+    # decides a plain backward's case itself (`_dispatch` and `free_after_plain_backward`).
+    nr = output.output_nr
+
+    def _node_hook(grads: tuple, record: Record = record, nr: int = nr) -> None:
+        local = _LOCAL
+        if local.propagating:  # the engine's own passes: nothing to do
+            return
+        engines = local.engines
+        if engines:
+            engines[-1].on_module_backward(record, (grads[nr],))
+        elif _STACKS:  # a context on the forward's thread (see `CTX.hook_engine`)
+            _dispatch(record, (grads[nr],))
+        elif _KEEPS_GRAPH is not None and not _KEEPS_GRAPH():
+            record.free()  # see `free_after_plain_backward`
+
+    node.register_prehook(_node_hook)
+    if not identity:
+        # the producing node owns the record too: graph walks find it there
+        metadata = node.metadata
+        entries = metadata.get(_META_KEY)
+        if entries is None:
+            metadata[_META_KEY] = [(record, 0, nr)]
+        else:
+            entries.append((record, 0, nr))
 
 
 def _record_call(
@@ -706,6 +904,10 @@ def records_at(node: Any, freed: bool = False) -> list[tuple[Record, int, int]]:
     return found
 
 
+#: the calling thread's engine stack and depths, and the stacks of threads in a context (the
+#: hot paths read them directly)
+_LOCAL = CTX._local
+_STACKS = CTX._stacks
 #: whether the running backward keeps its graph (`retain_graph`); None where torch lacks it
 _KEEPS_GRAPH = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
 
