@@ -14,7 +14,7 @@ import itertools
 import math
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -23,18 +23,18 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from backpack.context import CTX
 
-#: id(module) -> (weak references to its records (uses in graphs that may still exist), in
-#: creation order, as keys of a dict; that dict's `pop`, the references' callback). Each reference
-#: removes itself when its record dies (C code, no lock: adding is one dict store). Entries die
-#: with their module.
-_LIVE_RECORDS: dict[int, tuple[dict[weakref.ref[Record], None], Callable[..., Any]]] = {}
+#: id(module) -> weak references to its records (uses in graphs that may still exist); entries
+#: die with their module. Each registry of records here is a set of weak references whose
+#: callback is the set's `discard`: a record leaves when it dies, and adding or leaving is one
+#: C call without lock (a WeakSet costs Python calls; a list needs pruning under a lock).
+_LIVE_RECORDS: dict[int, set[weakref.ref[Record]]] = {}
 #: id(parameter) -> weak set of the modules that use it directly (tied weights have several).
 #: Keyed by id because tensors compare elementwise; entries die with their parameter.
 _PARAM_OWNERS: dict[int, weakref.WeakSet[nn.Module]] = {}
 
 #: key of the records a node's `metadata` holds (the module calls that node produced)
 _META_KEY = "backpack_records"
-#: guards the registries above against concurrent forwards in several threads
+#: guards new entries of the registries above against concurrent forwards in several threads
 _LOCK = threading.RLock()
 #: creation order of records (losses of one backward are ordered by it)
 _ORDER = itertools.count()
@@ -43,10 +43,10 @@ _get_ident = threading.get_ident
 _graph_task_id = torch._C._current_graph_task_id
 #: module classes whose calls are loss calls (the loss rules register theirs)
 LOSS_CLASSES: set[type] = {nn.modules.loss._Loss}
-#: records of loss calls whose graphs may still exist
-_LOSS_RECORDS: weakref.WeakSet[Record] = weakref.WeakSet()
+#: records of loss calls whose graphs may still exist (weak references, see `_LIVE_RECORDS`)
+_LOSS_RECORDS: set[weakref.ref[Record]] = set()
 #: records of parametrized calls whose output may hold no sample axis (see `sample_free`)
-_SAMPLE_FREE: weakref.WeakSet[Record] = weakref.WeakSet()
+_SAMPLE_FREE: set[weakref.ref[Record]] = set()
 
 
 #: module classes whose rules and the engine read only the shape, dtype and device of the
@@ -365,29 +365,41 @@ def promote_half(obj: Any) -> Any:
     return obj
 
 
-def _live_refs(module: nn.Module) -> tuple[dict[weakref.ref[Record], None], Callable[..., Any]]:
+def _live_refs(module: nn.Module) -> set[weakref.ref[Record]]:
     """`module`'s entry of `_LIVE_RECORDS` (created on its first call)."""
     key = id(module)
-    entry = _LIVE_RECORDS.get(key)
-    if entry is None:
+    refs = _LIVE_RECORDS.get(key)
+    if refs is None:
         with _LOCK:
-            entry = _LIVE_RECORDS.get(key)
-            if entry is None:
-                refs: dict[weakref.ref[Record], None] = {}
-                entry = _LIVE_RECORDS[key] = (refs, refs.pop)
+            refs = _LIVE_RECORDS.get(key)
+            if refs is None:
+                refs = _LIVE_RECORDS[key] = set()
                 weakref.finalize(module, _LIVE_RECORDS.pop, key, None)
-    return entry
+    return refs
+
+
+def _alive(refs: set[weakref.ref[Record]]) -> list[Record]:
+    """The records of a registry that are still alive, in creation order."""
+    # a copy first: records die (and leave the set) at any time, also in other threads
+    found = [r() for r in tuple(refs)]
+    return sorted([r for r in found if r is not None], key=_creation_order)
+
+
+def _creation_order(record: Record) -> int:
+    return record.order
 
 
 def _remember(module: nn.Module, record: Record) -> None:
-    """Count `record` among its module's uses until it dies (once per record)."""
-    refs, forget = _LIVE_RECORDS.get(id(module)) or _live_refs(module)
-    refs[weakref.ref(record, forget)] = None
-    with _LOCK:
-        if is_loss_module(module) and not record.disabled:
-            _LOSS_RECORDS.add(record)
-        elif not record.disabled and module._parameters and sample_free(record.args):
-            _SAMPLE_FREE.add(record)
+    refs = _LIVE_RECORDS.get(id(module))
+    if refs is None:
+        refs = _live_refs(module)
+    refs.add(weakref.ref(record, refs.discard))
+    if record.disabled:
+        return
+    if is_loss_module(module):
+        _LOSS_RECORDS.add(weakref.ref(record, _LOSS_RECORDS.discard))
+    elif module._parameters and sample_free(record.args):
+        _SAMPLE_FREE.add(weakref.ref(record, _SAMPLE_FREE.discard))
 
 
 def sample_free(args: tuple) -> bool:
@@ -411,26 +423,17 @@ def sample_free(args: tuple) -> bool:
 
 def has_sample_free_records() -> bool:
     """Whether calls that may produce outputs without a sample axis have live records."""
-    if not _SAMPLE_FREE:
-        return False
-    with _LOCK:
-        return any(not r.freed for r in _SAMPLE_FREE)
+    return bool(_SAMPLE_FREE) and any(not r.freed for r in _alive(_SAMPLE_FREE))
 
 
 def live_loss_records() -> list[Record]:
     """Records of loss calls whose graphs may still be run backward, in creation order."""
-    with _LOCK:
-        found = [r for r in _LOSS_RECORDS if not r.freed]
-    return sorted(found, key=lambda r: r.order)
+    return [r for r in _alive(_LOSS_RECORDS) if not r.freed]
 
 
 def _records(module: nn.Module) -> list[Record]:
-    entry = _LIVE_RECORDS.get(id(module))
-    if entry is None:
-        return []
-    # a copy first: records die (and leave the dict) at any time, also in other threads
-    alive = [r() for r in tuple(entry[0])]
-    return [r for r in alive if r is not None]
+    refs = _LIVE_RECORDS.get(id(module))
+    return _alive(refs) if refs else []
 
 
 def live_records(module: nn.Module) -> list[Record]:
@@ -699,7 +702,8 @@ def _record_single(
         producer,
         (True,),
     )
-    identity = inplace and not module._parameters and _META_KEY in node.metadata
+    own = module._parameters
+    identity = inplace and not own and _META_KEY in node.metadata
     record.identity = identity
     params = _owned_parameters(module)
     if params and module.__dict__.get("_backpack_owner_ids") != tuple(map(id, params.values())):
@@ -709,21 +713,18 @@ def _record_single(
     if is_loss is None:
         is_loss = is_loss_module(module)
     if is_loss:
-        tracked = _LOSS_RECORDS
+        _LOSS_RECORDS.add(weakref.ref(record, _LOSS_RECORDS.discard))
     elif (
-        module._parameters
+        own
         and not kept_needs_grad
         and first is not None
-        and (not first.dtype.is_floating_point or first.dim() == 0 or first.shape[0] == 1)
+        and (not first.is_floating_point() or first.dim() == 0 or first.shape[0] == 1)
     ):
-        tracked = _SAMPLE_FREE
-    else:
-        tracked = None
-    refs, forget = _LIVE_RECORDS.get(id(module)) or _live_refs(module)
-    refs[weakref.ref(record, forget)] = None
-    if tracked is not None:
-        with _LOCK:  # (weak sets are iterated under the lock)
-            tracked.add(record)
+        _SAMPLE_FREE.add(weakref.ref(record, _SAMPLE_FREE.discard))
+    refs = _LIVE_RECORDS.get(id(module))
+    if refs is None:
+        refs = _live_refs(module)
+    refs.add(weakref.ref(record, refs.discard))
     # The hook closure (stored on the graph) owns the record: it dies with the graph. It
     # decides a plain backward's case itself (`_dispatch` and `free_after_plain_backward`).
     nr = output.output_nr

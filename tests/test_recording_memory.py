@@ -265,4 +265,4 @@ def test_records_leave_the_registry_with_their_graph():
     del first, _, last, edge, outs[1]
     assert [len(recording._records(m)) for m in model] == [2, 2, 2]
     outs.clear()
-    assert all(len(recording._LIVE_RECORDS[id(m)][0]) == 0 for m in model)
+    assert all(len(recording._LIVE_RECORDS[id(m)]) == 0 for m in model)
