@@ -546,6 +546,32 @@ def tensors_in(obj: Any) -> Iterator[Tensor]:
             yield from tensors_in(o)
 
 
+def _collect_tensors(obj: Any, found: list[Tensor]) -> None:
+    """Append the tensors in a (nested) tuple/list structure to `found`, depth first.
+
+    `tensors_in` as a list, without a generator per level (the hot path of multi-output calls).
+    """
+    if isinstance(obj, Tensor):
+        found.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            _collect_tensors(o, found)
+
+
+def _detach_into(obj: Any, detached: list[Tensor]) -> Any:
+    """`_detach(obj)`, also appending each detached tensor to `detached`, depth first."""
+    if isinstance(obj, Tensor):
+        alias = obj.detach()
+        detached.append(alias)
+        return alias
+    if isinstance(obj, tuple):
+        items = [_detach_into(o, detached) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    if isinstance(obj, list):
+        return [_detach_into(o, detached) for o in obj]
+    return obj
+
+
 def _keep(a: Any, out_tensors: list[Tensor]) -> Any:
     """How a record keeps an input: as is, detached if it is also an output (in place)."""
     if isinstance(a, Tensor):
@@ -587,15 +613,16 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
         out_tensors = [output]
         out_requires_grad: tuple[bool, ...] = (True,)
     else:
-        all_out = list(tensors_in(output))
-        out_tensors = [t for t in all_out if t.requires_grad]
-        if not out_tensors:
+        all_out: list[Tensor] = []
+        _collect_tensors(output, all_out)
+        out_requires_grad = tuple([t.requires_grad for t in all_out])
+        if True not in out_requires_grad:
             return
-        out_requires_grad = tuple(t.requires_grad for t in all_out)
+        out_tensors = [t for t, needed in zip(all_out, out_requires_grad) if needed]
     if local.disabled_depth > 0:
         record = Record(module, (), {}, (), None, disabled=True)
     else:
-        record = _record_call(module, args, kwargs, output, out_tensors, single)
+        record = _record_call(module, args, kwargs, output, out_tensors, out_requires_grad)
     record.out_requires_grad = out_requires_grad
     _remember(module, record)
 
@@ -758,13 +785,16 @@ def _record_call(
     kwargs: dict,
     output: Any,
     out_tensors: list[Tensor],
-    single: bool,
+    out_requires_grad: tuple[bool, ...],
 ) -> Record:
-    """The record of one (not disabled) call whose outputs `out_tensors` need gradients."""
+    """The record of one (not disabled) call whose outputs `out_tensors` need gradients.
+
+    `out_requires_grad` says which tensors of `output` (depth first) are in `out_tensors`.
+    """
     shape_only = False
     producer = None
     kept_args = args
-    if single:
+    if isinstance(output, Tensor):
         cls = type(module)
         shape_only = (
             cls in SHAPE_ONLY_OUTPUTS
@@ -781,7 +811,11 @@ def _record_call(
             # pre-activation can be freed after the forward as without backpack
             kept_args = (output,)  # kept detached below, as an input aliasing an output is
     else:
-        structure, outs = _detach(output), tuple(t.detach() for t in out_tensors)
+        # one detached alias per tensor, shared by the structure and `outputs` (as for one
+        # output); detaching each twice cost ~1 us per tensor
+        detached: list[Tensor] = []
+        structure = _detach_into(output, detached)
+        outs = tuple([d for d, needed in zip(detached, out_requires_grad) if needed])
     # Inputs are kept as they are (they belong to the graph upstream of this call anyway):
     # with backward(create_graph=True) the quantities stay differentiable w.r.t. them. An
     # input that is also an output (in place) is detached: the node holding this record
@@ -796,20 +830,25 @@ def _record_call(
             edges.append(None)
         else:
             # snapshot (node, output index): later in-place ops on `a` cannot move it
+            # (`_as_edge` makes the edge when one is needed)
             node = a.grad_fn
-            # a leaf's edge (its grad accumulator) is built on first use: it cannot move
-            edges.append(a if node is None else GradientEdge(node, a.output_nr))
-    record = Record(
+            edges.append(a if node is None else (node, a.output_nr))
+    kept = tuple([_keep(a, out_tensors) for a in kept_args])
+    record = _new_record(Record)
+    record._setup(
         module,
-        tuple([_keep(a, out_tensors) for a in kept_args]),
+        kept,
         {k: _keep(v, out_tensors) for k, v in kwargs.items()} if kwargs else {},
         outs,
         structure,
+        False,
+        tuple([a._version if isinstance(a, Tensor) else None for a in kept]),
+        edges,
+        inplace,
+        shape_only,
+        producer,
+        out_requires_grad,
     )
-    record.input_edges = tuple(edges)
-    record.inplace = inplace
-    record.shape_only = shape_only
-    record.input_producer = producer
     if inplace and not module._parameters and len(out_tensors) == 1:
         # the output is the input itself: an identity (its node is the producer's, which
         # already carries records) or an in-place operation (a node of its own)
