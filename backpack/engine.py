@@ -593,12 +593,15 @@ class Engine:
         self.idle = not self.extensions and extension_hook is None and not debug
         self.debug = debug
         self.retain_graph = retain_graph
-        self.first_order = [
-            e for e in self.extensions if isinstance(e, FirstOrderBackpropExtension)
-        ]
-        self.second_order = [
-            e for e in self.extensions if isinstance(e, SecondOrderBackpropExtension)
-        ]
+        self.first_order: list[FirstOrderBackpropExtension] = []
+        self.second_order: list[SecondOrderBackpropExtension] = []
+        if self.extensions:  # (empty contexts, entered on every step of some loops, skip this)
+            self.first_order = [
+                e for e in self.extensions if isinstance(e, FirstOrderBackpropExtension)
+            ]
+            self.second_order = [
+                e for e in self.extensions if isinstance(e, SecondOrderBackpropExtension)
+            ]
         #: backward passes that met an extended module while this context was active
         self.passes = 0
         #: losses called as functions in the running `backward()`: (record, autograd node)
@@ -608,7 +611,11 @@ class Engine:
         #: extended loss calls the running `backward()`'s roots reach (None: not known)
         self._root_losses: list[Record] | None = None
         #: torch.distributed: makes quantities global at the end of each pass (or None)
-        self.sync = distributed.make_sync(sync, self.extensions)
+        self.sync = (
+            None  # what make_sync answers without extensions
+            if not self.extensions and (sync is None or sync is False)
+            else distributed.make_sync(sync, self.extensions)
+        )
         self._task_id: int | None = None
         #: during a `backward()` whose convolution `.grad` is derived (`grads_from_samples`):
         #: id(parameter) -> sum of its per-sample gradients so far (None: not derived)
@@ -1666,13 +1673,14 @@ class backpack:  # noqa: N801 (public name of the original API)
                 raise ValueError(
                     f"backpack() expects extension instances (BackpropExtension), got {ext!r}."
                 )
-        fields = [ext.savefield for ext in exts]
-        duplicates = sorted({f for f in fields if fields.count(f) > 1})
-        if duplicates:
-            raise ValueError(
-                f"Several extensions passed to backpack() write the same attribute(s) "
-                f"{duplicates}; pass each quantity once."
-            )
+        if len(exts) > 1:  # (skipped for the empty contexts some loops enter on every step)
+            fields = [ext.savefield for ext in exts]
+            duplicates = sorted({f for f in fields if fields.count(f) > 1})
+            if duplicates:
+                raise ValueError(
+                    f"Several extensions passed to backpack() write the same attribute(s) "
+                    f"{duplicates}; pass each quantity once."
+                )
         self.exts = tuple(exts)
         self.extension_hook = extension_hook
         self.debug = debug

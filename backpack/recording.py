@@ -25,24 +25,29 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from backpack.context import CTX
 
 #: id(module) -> weak references to its records (uses in graphs that may still exist); entries
-#: die with their module
-_LIVE_RECORDS: dict[int, list[weakref.ref[Record]]] = {}
+#: die with their module. Each registry of records here is a set of weak references whose
+#: callback is the set's `discard`: a record leaves when it dies, and adding or leaving is one
+#: C call without lock (a WeakSet costs Python calls; a list needs pruning under a lock).
+_LIVE_RECORDS: dict[int, set[weakref.ref[Record]]] = {}
 #: id(parameter) -> weak set of the modules that use it directly (tied weights have several).
 #: Keyed by id because tensors compare elementwise; entries die with their parameter.
 _PARAM_OWNERS: dict[int, weakref.WeakSet[nn.Module]] = {}
 
 #: key of the records a node's `metadata` holds (the module calls that node produced)
 _META_KEY = "backpack_records"
-#: guards the registries above against concurrent forwards in several threads
+#: guards new entries of the registries above against concurrent forwards in several threads
 _LOCK = threading.RLock()
 #: creation order of records (losses of one backward are ordered by it)
 _ORDER = itertools.count()
+#: called for every record (module-level names are a lookup cheaper)
+_get_ident = threading.get_ident
+_graph_task_id = torch._C._current_graph_task_id
 #: module classes whose calls are loss calls (the loss rules register theirs)
 LOSS_CLASSES: set[type] = {nn.modules.loss._Loss}
-#: records of loss calls whose graphs may still exist
-_LOSS_RECORDS: weakref.WeakSet[Record] = weakref.WeakSet()
+#: records of loss calls whose graphs may still exist (weak references, see `_LIVE_RECORDS`)
+_LOSS_RECORDS: set[weakref.ref[Record]] = set()
 #: records of parametrized calls whose output may hold no sample axis (see `sample_free`)
-_SAMPLE_FREE: weakref.WeakSet[Record] = weakref.WeakSet()
+_SAMPLE_FREE: set[weakref.ref[Record]] = set()
 
 
 #: module classes whose rules and the engine read only the shape, dtype and device of the
@@ -138,39 +143,64 @@ class Record:
         output_structure: Any,
         disabled: bool = False,
     ) -> None:
+        versions = tuple([a._version if isinstance(a, Tensor) else None for a in args])
+        self._setup(
+            module, args, kwargs, outputs, output_structure, disabled, versions, (), False, False,
+            None, (),
+        )
+
+    def _setup(
+        self,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        outputs: tuple[Tensor, ...],
+        output_structure: Any,
+        disabled: bool,
+        versions: tuple[int | None, ...],
+        input_edges: tuple[Any, ...] | list[Any],
+        inplace: bool,
+        shape_only: bool,
+        input_producer: Record | None,
+        out_requires_grad: tuple[bool, ...],
+    ) -> None:
+        # Every slot is set here. The forward hook calls this on `Record.__new__(Record)` with
+        # what it already knows: calling the class (with keywords) cost as much as all of this.
         self.module = module
         self.args = args
         self.kwargs = kwargs
         self.outputs = outputs
         self.output_structure = output_structure
-        self.versions = tuple([a._version if isinstance(a, Tensor) else None for a in args])
+        #: versions of the tensor inputs at the call (None for other inputs)
+        self.versions = versions
         self.training = module.training
         #: for each tensor of the output structure (depth first): does it require grad?
-        self.out_requires_grad: tuple[bool, ...] = ()
+        self.out_requires_grad = out_requires_grad
         self.disabled = disabled
         self.freed = False
         #: per-backward scratch space of the engine (second-order factors, ...)
         self.extra: dict[str, Any] = {}
         #: autograd edges of the tensor inputs (None where an input needs no grad or aliases
-        #: an output, which would make the graph own a reference to itself)
-        self.input_edges: tuple[Any, ...] = ()
-        self.inplace = False
+        #: an output, which would make the graph own a reference to itself); a list: what
+        #: the forward noted, made edges on first read (`input_edges`)
+        self._input_edges = input_edges
+        self.inplace = inplace
         #: the call returned its input unchanged (Identity, Dropout in eval mode): graph walks
         #: look through it
         self.identity = False
         #: the thread that ran the forward (CUDA backward hooks run on other threads)
-        self.thread = threading.get_ident()
+        self.thread = _get_ident()
         self.order = next(_ORDER)
         #: the forward ran inside a backward pass (a reentrant checkpoint's recomputation)
-        self.recomputed = torch._C._current_graph_task_id() != -1
+        self.recomputed = _graph_task_id() != -1
         #: for a view of another record (rules see a reshaped call): that record
         self.origin: Record | None = None
         self._half_checked = False
         #: the outputs are `_shape_only` stand-ins (see `SHAPE_ONLY_OUTPUTS`)
-        self.shape_only = False
+        self.shape_only = shape_only
         #: for an idempotent activation keeping its output as input: the shape-only record
         #: whose output the true input was (`input_values` recomputes it from there)
-        self.input_producer: Record | None = None
+        self.input_producer = input_producer
 
     @property
     def input0(self) -> Tensor:
@@ -206,15 +236,15 @@ class Record:
     @property
     def input_edges(self) -> tuple[Any, ...]:
         """Autograd edges of the tensor inputs (None where no gradient flows or in place)."""
-        if any(isinstance(e, Tensor) for e in self._input_edges):
-            self._input_edges = tuple(
-                get_gradient_edge(e) if isinstance(e, Tensor) else e for e in self._input_edges
-            )
-        return self._input_edges
+        edges = self._input_edges
+        if type(edges) is list:
+            # as the forward left them (see `_as_edge`): made edges on first use
+            edges = self._input_edges = tuple([_as_edge(e) for e in edges])
+        return edges
 
     @input_edges.setter
     def input_edges(self, edges: tuple[Any, ...]) -> None:
-        self._input_edges = edges
+        self._input_edges = list(edges)
 
     def free(self) -> None:
         """Drop the recorded tensors (memory is returned as soon as autograd is done too)."""
@@ -300,6 +330,23 @@ class Record:
                 )
 
 
+_new_record = Record.__new__
+
+
+def _as_edge(entry: Any) -> Any:
+    """The autograd edge of what a forward noted for an input (None stays None).
+
+    A `GradientEdge`; a leaf tensor (its edge, the grad accumulator, is built on first use: it
+    cannot move); or a plain `(node, output_nr)` tuple (a `GradientEdge` costs a Python call
+    on every forward).
+    """
+    if isinstance(entry, Tensor):
+        return get_gradient_edge(entry)
+    if type(entry) is tuple:
+        return GradientEdge(*entry)
+    return entry
+
+
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -319,20 +366,41 @@ def promote_half(obj: Any) -> Any:
     return obj
 
 
-def _remember(module: nn.Module, record: Record) -> None:
+def _live_refs(module: nn.Module) -> set[weakref.ref[Record]]:
+    """`module`'s entry of `_LIVE_RECORDS` (created on its first call)."""
     key = id(module)
-    with _LOCK:
-        refs = _LIVE_RECORDS.get(key)
-        if refs is None:
-            refs = _LIVE_RECORDS[key] = []
-            weakref.finalize(module, _LIVE_RECORDS.pop, key, None)
-        elif len(refs) >= 4:
-            refs[:] = [r for r in refs if r() is not None]
-        refs.append(weakref.ref(record))
-        if is_loss_module(module) and not record.disabled:
-            _LOSS_RECORDS.add(record)
-        elif not record.disabled and module._parameters and sample_free(record.args):
-            _SAMPLE_FREE.add(record)
+    refs = _LIVE_RECORDS.get(key)
+    if refs is None:
+        with _LOCK:
+            refs = _LIVE_RECORDS.get(key)
+            if refs is None:
+                refs = _LIVE_RECORDS[key] = set()
+                weakref.finalize(module, _LIVE_RECORDS.pop, key, None)
+    return refs
+
+
+def _alive(refs: set[weakref.ref[Record]]) -> list[Record]:
+    """The records of a registry that are still alive, in creation order."""
+    # a copy first: records die (and leave the set) at any time, also in other threads
+    found = [r() for r in tuple(refs)]
+    return sorted([r for r in found if r is not None], key=_creation_order)
+
+
+def _creation_order(record: Record) -> int:
+    return record.order
+
+
+def _remember(module: nn.Module, record: Record) -> None:
+    refs = _LIVE_RECORDS.get(id(module))
+    if refs is None:
+        refs = _live_refs(module)
+    refs.add(weakref.ref(record, refs.discard))
+    if record.disabled:
+        return
+    if is_loss_module(module):
+        _LOSS_RECORDS.add(weakref.ref(record, _LOSS_RECORDS.discard))
+    elif module._parameters and sample_free(record.args):
+        _SAMPLE_FREE.add(weakref.ref(record, _SAMPLE_FREE.discard))
 
 
 def sample_free(args: tuple) -> bool:
@@ -356,22 +424,17 @@ def sample_free(args: tuple) -> bool:
 
 def has_sample_free_records() -> bool:
     """Whether calls that may produce outputs without a sample axis have live records."""
-    if not _SAMPLE_FREE:
-        return False
-    with _LOCK:
-        return any(not r.freed for r in _SAMPLE_FREE)
+    return bool(_SAMPLE_FREE) and any(not r.freed for r in _alive(_SAMPLE_FREE))
 
 
 def live_loss_records() -> list[Record]:
     """Records of loss calls whose graphs may still be run backward, in creation order."""
-    with _LOCK:
-        found = [r for r in _LOSS_RECORDS if not r.freed]
-    return sorted(found, key=lambda r: r.order)
+    return [r for r in _alive(_LOSS_RECORDS) if not r.freed]
 
 
 def _records(module: nn.Module) -> list[Record]:
-    alive = [r() for r in _LIVE_RECORDS.get(id(module), ())]
-    return [r for r in alive if r is not None]
+    refs = _LIVE_RECORDS.get(id(module))
+    return _alive(refs) if refs else []
 
 
 def live_records(module: nn.Module) -> list[Record]:
@@ -424,9 +487,22 @@ def is_parametrized(module: nn.Module) -> bool:
     return _has_parametrizations(module) or bool(reparametrization_hooks(module))
 
 
+#: class -> does it own its children's parameters (subclasses too: a MultiheadAttention
+#: subclass still uses out_proj functionally); cached per class, as it is asked on every call,
+#: and started over when a rule registers a class (`OWNS_CHILD_PARAMETERS` only grows)
+_OWNS_CHILDREN: dict[type, bool] = {}
+_OWNS_CHILDREN_SIZE = [0]
+
+
 def _owned_parameters(module: nn.Module) -> dict[str, Any]:
-    # subclasses too (e.g. a MultiheadAttention subclass still uses out_proj functionally)
-    if OWNS_CHILD_PARAMETERS and isinstance(module, tuple(OWNS_CHILD_PARAMETERS)):
+    cls = type(module)
+    owns = _OWNS_CHILDREN.get(cls)
+    if owns is None or _OWNS_CHILDREN_SIZE[0] != len(OWNS_CHILD_PARAMETERS):
+        if _OWNS_CHILDREN_SIZE[0] != len(OWNS_CHILD_PARAMETERS) or len(_OWNS_CHILDREN) > 4096:
+            _OWNS_CHILDREN.clear()
+            _OWNS_CHILDREN_SIZE[0] = len(OWNS_CHILD_PARAMETERS)
+        owns = _OWNS_CHILDREN[cls] = issubclass(cls, tuple(OWNS_CHILD_PARAMETERS))
+    if owns:
         return dict(module.named_parameters())
     if _has_parametrizations(module):
         # the originals (and any parameters of the parametrizations themselves) are used
@@ -492,6 +568,32 @@ def tensors_in(obj: Any) -> Iterator[Tensor]:
     elif isinstance(obj, (tuple, list)):
         for o in obj:
             yield from tensors_in(o)
+
+
+def _collect_tensors(obj: Any, found: list[Tensor]) -> None:
+    """Append the tensors in a (nested) tuple/list structure to `found`, depth first.
+
+    `tensors_in` as a list, without a generator per level (the hot path of multi-output calls).
+    """
+    if isinstance(obj, Tensor):
+        found.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            _collect_tensors(o, found)
+
+
+def _detach_into(obj: Any, detached: list[Tensor]) -> Any:
+    """`_detach(obj)`, also appending each detached tensor to `detached`, depth first."""
+    if isinstance(obj, Tensor):
+        alias = obj.detach()
+        detached.append(alias)
+        return alias
+    if isinstance(obj, tuple):
+        items = [_detach_into(o, detached) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    if isinstance(obj, list):
+        return [_detach_into(o, detached) for o in obj]
+    return obj
 
 
 def _keep(a: Any, out_tensors: list[Tensor]) -> Any:
@@ -578,7 +680,7 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
     """
     # The hot path of every extended call: a few microseconds per call are a measurable share
     # of a small model's step, so the common case (one output tensor) avoids helper calls.
-    local = CTX._local
+    local = _LOCAL
     if local.internal_depth or not torch.is_grad_enabled():
         return None
     replacement = None
@@ -586,22 +688,29 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
     if single:
         if not output.requires_grad:
             return
+        node = output.grad_fn
+        if node is not None and not local.disabled_depth:
+            _record_single(module, args, kwargs, output, node)
+            return
         out_tensors = [output]
         out_requires_grad: tuple[bool, ...] = (True,)
     else:
-        all_out = list(tensors_in(output))
-        out_tensors = [t for t in all_out if t.requires_grad]
-        if not out_tensors:
+        all_out: list[Tensor] = []
+        _collect_tensors(output, all_out)
+        out_requires_grad = tuple([t.requires_grad for t in all_out])
+        if True not in out_requires_grad:
             return
+        out_tensors = [t for t, needed in zip(all_out, out_requires_grad) if needed]
         if len(out_tensors) > 1 and _outputs_nested(out_tensors, args):
             replacement = output = _independent_outputs(output, out_tensors)
-            all_out = list(tensors_in(output))
-            out_tensors = [t for t in all_out if t.requires_grad]
-        out_requires_grad = tuple(t.requires_grad for t in all_out)
+            all_out = []
+            _collect_tensors(output, all_out)
+            out_requires_grad = tuple([t.requires_grad for t in all_out])
+            out_tensors = [t for t, needed in zip(all_out, out_requires_grad) if needed]
     if local.disabled_depth > 0:
         record = Record(module, (), {}, (), None, disabled=True)
     else:
-        record = _record_call(module, args, kwargs, output, out_tensors, single)
+        record = _record_call(module, args, kwargs, output, out_tensors, out_requires_grad)
     record.out_requires_grad = out_requires_grad
     _remember(module, record)
 
@@ -641,19 +750,140 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
     return replacement
 
 
+def _record_single(
+    module: nn.Module, args: tuple, kwargs: dict, output: Tensor, node: Any
+) -> None:
+    """Record a call whose output is one tensor produced by the autograd `node`.
+
+    The common case of `_forward_hook`, `_record_call` and `_remember` in one pass over the
+    inputs: every helper call, generator and repeated tensor attribute read showed up in the
+    step time of small models (each call costs a few microseconds, more with cold caches).
+    """
+    cls = type(module)
+    inplace = False
+    #: whether a kept tensor input requires grad, and the first kept tensor (`sample_free`)
+    kept_needs_grad = False
+    first = None
+    kept = []
+    versions = []
+    edges = []
+    for a in args:
+        if isinstance(a, Tensor):
+            versions.append(a._version)
+            if a is output:
+                # in place: kept detached (the graph would otherwise own itself)
+                inplace = True
+                a = a.detach()
+                edges.append(None)
+            elif a.requires_grad:
+                kept_needs_grad = True
+                # snapshot (node, output index): later in-place ops on `a` cannot move it
+                # (`_as_edge` makes the edge when one is needed)
+                a_node = a.grad_fn
+                edges.append(a if a_node is None else (a_node, a.output_nr))
+            else:
+                edges.append(None)
+            if first is None:
+                first = a
+            kept.append(a)
+        else:
+            versions.append(None)
+            edges.append(None)
+            kept.append(_detach(a))
+    shape_only = (
+        cls in SHAPE_ONLY_OUTPUTS and not inplace and output.numel() >= SHAPE_ONLY_MIN_ELEMENTS
+    )
+    structure = _shape_only(output) if shape_only else output.detach()
+    producer = None
+    if cls in IDEMPOTENT_ACTIVATIONS and len(args) == 1 and not inplace:
+        producer = _shape_only_producer(args[0])
+        if producer is not None:
+            # see `_record_call`: the output stands in for the input
+            first = output.detach()
+            kept = [first]
+            versions = [first._version]
+            kept_needs_grad = False
+    record = _new_record(Record)
+    record._setup(
+        module,
+        tuple(kept),
+        {k: _keep(v, [output]) for k, v in kwargs.items()} if kwargs else {},
+        (structure,),
+        structure,
+        False,
+        tuple(versions),
+        edges,
+        inplace,
+        shape_only,
+        producer,
+        (True,),
+    )
+    own = module._parameters
+    identity = inplace and not own and _META_KEY in node.metadata
+    record.identity = identity
+    params = _owned_parameters(module)
+    if params and module.__dict__.get("_backpack_owner_ids") != tuple(map(id, params.values())):
+        _register_owners(module, params)
+    # `_remember`, with the loss and `sample_free` tests on what is known already
+    is_loss = _IS_LOSS_CLASS.get(cls)
+    if is_loss is None:
+        is_loss = is_loss_module(module)
+    if is_loss:
+        _LOSS_RECORDS.add(weakref.ref(record, _LOSS_RECORDS.discard))
+    elif (
+        own
+        and not kept_needs_grad
+        and first is not None
+        and (not first.is_floating_point() or first.dim() == 0 or first.shape[0] == 1)
+    ):
+        _SAMPLE_FREE.add(weakref.ref(record, _SAMPLE_FREE.discard))
+    refs = _LIVE_RECORDS.get(id(module))
+    if refs is None:
+        refs = _live_refs(module)
+    refs.add(weakref.ref(record, refs.discard))
+    # The hook closure (stored on the graph) owns the record: it dies with the graph. It
+    # decides a plain backward's case itself (`_dispatch` and `free_after_plain_backward`).
+    nr = output.output_nr
+
+    def _node_hook(grads: tuple, record: Record = record, nr: int = nr) -> None:
+        local = _LOCAL
+        if local.propagating:  # the engine's own passes: nothing to do
+            return
+        engines = local.engines
+        if engines:
+            engines[-1].on_module_backward(record, (grads[nr],))
+        elif _STACKS:  # a context on the forward's thread (see `CTX.hook_engine`)
+            _dispatch(record, (grads[nr],))
+        elif _KEEPS_GRAPH is not None and not _KEEPS_GRAPH():
+            record.free()  # see `free_after_plain_backward`
+
+    node.register_prehook(_node_hook)
+    if not identity:
+        # the producing node owns the record too: graph walks find it there
+        metadata = node.metadata
+        entries = metadata.get(_META_KEY)
+        if entries is None:
+            metadata[_META_KEY] = [(record, 0, nr)]
+        else:
+            entries.append((record, 0, nr))
+
+
 def _record_call(
     module: nn.Module,
     args: tuple,
     kwargs: dict,
     output: Any,
     out_tensors: list[Tensor],
-    single: bool,
+    out_requires_grad: tuple[bool, ...],
 ) -> Record:
-    """The record of one (not disabled) call whose outputs `out_tensors` need gradients."""
+    """The record of one (not disabled) call whose outputs `out_tensors` need gradients.
+
+    `out_requires_grad` says which tensors of `output` (depth first) are in `out_tensors`.
+    """
     shape_only = False
     producer = None
     kept_args = args
-    if single:
+    if isinstance(output, Tensor):
         cls = type(module)
         shape_only = (
             cls in SHAPE_ONLY_OUTPUTS
@@ -670,7 +900,11 @@ def _record_call(
             # pre-activation can be freed after the forward as without backpack
             kept_args = (output,)  # kept detached below, as an input aliasing an output is
     else:
-        structure, outs = _detach(output), tuple(t.detach() for t in out_tensors)
+        # one detached alias per tensor, shared by the structure and `outputs` (as for one
+        # output); detaching each twice cost ~1 us per tensor
+        detached: list[Tensor] = []
+        structure = _detach_into(output, detached)
+        outs = tuple([d for d, needed in zip(detached, out_requires_grad) if needed])
     # Inputs are kept as they are (they belong to the graph upstream of this call anyway):
     # with backward(create_graph=True) the quantities stay differentiable w.r.t. them. An
     # input that is also an output (in place) is detached: the node holding this record
@@ -685,20 +919,25 @@ def _record_call(
             edges.append(None)
         else:
             # snapshot (node, output index): later in-place ops on `a` cannot move it
+            # (`_as_edge` makes the edge when one is needed)
             node = a.grad_fn
-            # a leaf's edge (its grad accumulator) is built on first use: it cannot move
-            edges.append(a if node is None else GradientEdge(node, a.output_nr))
-    record = Record(
+            edges.append(a if node is None else (node, a.output_nr))
+    kept = tuple([_keep(a, out_tensors) for a in kept_args])
+    record = _new_record(Record)
+    record._setup(
         module,
-        tuple([_keep(a, out_tensors) for a in kept_args]),
+        kept,
         {k: _keep(v, out_tensors) for k, v in kwargs.items()} if kwargs else {},
         outs,
         structure,
+        False,
+        tuple([a._version if isinstance(a, Tensor) else None for a in kept]),
+        edges,
+        inplace,
+        shape_only,
+        producer,
+        out_requires_grad,
     )
-    record.input_edges = tuple(edges)
-    record.inplace = inplace
-    record.shape_only = shape_only
-    record.input_producer = producer
     if inplace and not module._parameters and len(out_tensors) == 1:
         # the output is the input itself: an identity (its node is the producer's, which
         # already carries records) or an in-place operation (a node of its own)
@@ -794,6 +1033,10 @@ def records_at(node: Any, freed: bool = False) -> list[tuple[Record, int, int]]:
     return found
 
 
+#: the calling thread's engine stack and depths, and the stacks of threads in a context (the
+#: hot paths read them directly)
+_LOCAL = CTX._local
+_STACKS = CTX._stacks
 #: whether the running backward keeps its graph (`retain_graph`); None where torch lacks it
 _KEEPS_GRAPH = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
 

@@ -248,3 +248,21 @@ def test_plain_backward_through_one_output_node_keeps_the_record():
     first.sum().backward()
     assert not record.freed
     assert record.args[0] is x
+
+
+def test_records_leave_the_registry_with_their_graph():
+    """Each module's live records are those of graphs that exist, with the inputs' edges."""
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).to(DTYPE))
+    x = torch.randn(5, 3, dtype=DTYPE)
+    outs = [model(x) for _ in range(3)]
+    assert [len(recording._records(m)) for m in model] == [3, 3, 3]
+    first, _, last = (recording._records(m)[0] for m in model)
+    assert first.input_edges == (None,)  # the data needs no gradient
+    (edge,) = last.input_edges
+    assert isinstance(edge, torch.autograd.graph.GradientEdge)
+    assert (edge.node.name(), edge.output_nr) == ("ReluBackward0", 0)
+    del first, _, last, edge, outs[1]
+    assert [len(recording._records(m)) for m in model] == [2, 2, 2]
+    outs.clear()
+    assert all(len(recording._LIVE_RECORDS[id(m)]) == 0 for m in model)
