@@ -15,7 +15,7 @@ import math
 import sys
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -354,16 +354,21 @@ def _is_half(obj: Any) -> bool:
     return isinstance(obj, Tensor) and obj.dtype in _HALF
 
 
-def promote_half(obj: Any) -> Any:
-    """`obj` with 16-bit floating tensors (also inside tuples and lists) as float32."""
+def map_tensors(obj: Any, fn: Callable[[Tensor], Any]) -> Any:
+    """`obj` with `fn` applied to every tensor in it (nested tuples, named tuples and lists)."""
     if isinstance(obj, Tensor):
-        return obj.float() if obj.dtype in _HALF else obj
+        return fn(obj)
     if isinstance(obj, tuple):
-        items = [promote_half(o) for o in obj]
+        items = [map_tensors(o, fn) for o in obj]
         return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
     if isinstance(obj, list):
-        return [promote_half(o) for o in obj]
+        return [map_tensors(o, fn) for o in obj]
     return obj
+
+
+def promote_half(obj: Any) -> Any:
+    """`obj` with 16-bit floating tensors (also inside tuples and lists) as float32."""
+    return map_tensors(obj, lambda t: t.float() if t.dtype in _HALF else t)
 
 
 def _live_refs(module: nn.Module) -> set[weakref.ref[Record]]:
@@ -551,14 +556,7 @@ def _register_owners(module: nn.Module, params: dict[str, Any]) -> None:
 
 
 def _detach(obj: Any) -> Any:
-    if isinstance(obj, Tensor):
-        return obj.detach()
-    if isinstance(obj, tuple):
-        items = [_detach(o) for o in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-    if isinstance(obj, list):
-        return [_detach(o) for o in obj]
-    return obj
+    return map_tensors(obj, Tensor.detach)
 
 
 def tensors_in(obj: Any) -> Iterator[Tensor]:
@@ -584,16 +582,13 @@ def _collect_tensors(obj: Any, found: list[Tensor]) -> None:
 
 def _detach_into(obj: Any, detached: list[Tensor]) -> Any:
     """`_detach(obj)`, also appending each detached tensor to `detached`, depth first."""
-    if isinstance(obj, Tensor):
-        alias = obj.detach()
+
+    def detach(t: Tensor) -> Tensor:
+        alias = t.detach()
         detached.append(alias)
         return alias
-    if isinstance(obj, tuple):
-        items = [_detach_into(o, detached) for o in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-    if isinstance(obj, list):
-        return [_detach_into(o, detached) for o in obj]
-    return obj
+
+    return map_tensors(obj, detach)
 
 
 def _keep(a: Any, out_tensors: list[Tensor]) -> Any:
@@ -658,18 +653,7 @@ def _outputs_nested(out_tensors: list[Tensor], args: tuple) -> bool:
 def _independent_outputs(output: Any, out_tensors: list[Tensor]) -> Any:
     """The output structure with its differentiable tensors passed through `_Independent`."""
     replaced = iter(_Independent.apply(*out_tensors))
-
-    def rebuild(obj: Any) -> Any:
-        if isinstance(obj, Tensor):
-            return next(replaced) if obj.requires_grad else obj
-        if isinstance(obj, tuple):
-            items = [rebuild(o) for o in obj]
-            return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-        if isinstance(obj, list):
-            return [rebuild(o) for o in obj]
-        return obj
-
-    return rebuild(output)
+    return map_tensors(output, lambda t: next(replaced) if t.requires_grad else t)
 
 
 @torch.compiler.disable

@@ -24,6 +24,7 @@ from backpack.recording import (
     describe,
     get_param,
     is_parametrized,
+    map_tensors,
     reparametrization_hooks,
     tensors_in,
     trainable_params,
@@ -131,7 +132,7 @@ class _SampleCalls:
             index = self.index = torch.as_tensor(list(subsampling), device=_device(record))
 
             def select(t: Any) -> Any:
-                return _map_tensors(t, lambda x: x.index_select(0, index))
+                return map_tensors(t, lambda x: x.index_select(0, index))
 
             args = tuple(select(a) if d == 0 else a for a, d in zip(args, self.arg_dims))
             kwargs = {k: (select(v) if k in kwarg_keys else v) for k, v in kwargs.items()}
@@ -146,11 +147,11 @@ class _SampleCalls:
     def call(self, sample_args: tuple, sample_kwargs: dict, p: dict) -> tuple[Tensor, ...]:
         """The module on one sample with parameters `p`: its output tensors."""
         call_args = tuple(
-            _map_tensors(a, lambda x: x.unsqueeze(0)) if d == 0 else a
+            map_tensors(a, lambda x: x.unsqueeze(0)) if d == 0 else a
             for a, d in zip(sample_args, self.arg_dims)
         )
         call_kwargs = {
-            k: _map_tensors(v, lambda x: x.unsqueeze(0)) for k, v in sample_kwargs.items()
+            k: map_tensors(v, lambda x: x.unsqueeze(0)) for k, v in sample_kwargs.items()
         }
         call_kwargs.update(self.static_kwargs)
         out = functional_call(self.module, {**self.buffers, **p}, call_args, call_kwargs)
@@ -174,7 +175,7 @@ class _SampleCalls:
         for i in range(self.count):
 
             def pick(t: Any, i: int = i) -> Any:
-                return _map_tensors(t, lambda x: x[i])
+                return map_tensors(t, lambda x: x[i])
 
             rows.append(
                 fn(
@@ -312,15 +313,6 @@ def _same_outputs(alone: tuple[Tensor, ...], recorded: list[Tensor]) -> bool:
         if (computed.to(expected.dtype) - expected).abs().max() > tol:
             return False
     return True
-
-
-def _map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
-    """`fn` applied to a tensor, or to each tensor of a (nested) tuple/list."""
-    if isinstance(obj, Tensor):
-        return fn(obj)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_map_tensors(o, fn) for o in obj)
-    return obj
 
 
 #: module classes whose functional calls failed under vmap (the per-sample loop serves them)
