@@ -69,7 +69,8 @@ def _mixing_message(module: nn.Module) -> str:
         return (
             f"undefined for {describe(module)}: its samples are not independent (a sample "
             "alone gives another output than within its batch, as with batch statistics, a "
-            "reduction over the batch, or a branch on batch values)."
+            "reduction over the batch, a branch on batch values, or random operations such as "
+            "dropout in training mode)."
         )
     return (
         f"undefined for {describe(module)}: it normalises with statistics of "

@@ -1065,15 +1065,31 @@ def test_module_where_torch_func_fails_warns_and_writes_nothing(cls):
     assert_grads_exact(model, plain_grads(plain, x, y))
 
 
+class ScaleThenDropout(nn.Module):
+    """Dropout in training mode inside a module without a rule: a call per sample would draw
+    other masks than the forward did."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(dim))
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(x * self.weight)
+
+
+@pytest.mark.parametrize("cls", [Centred, ScaleThenDropout])
 @pytest.mark.parametrize("extension", [BatchL2Grad, Variance, DiagGGNExact])
-def test_a_module_whose_samples_are_not_independent_is_refused(extension):
-    """Subtracting the batch mean mixes samples, as BatchNorm in training mode does: vmap would
-    run it on each sample alone (another function) without complaint."""
-    model = nn.Sequential(nn.Linear(D_IN, D_HID), Centred(D_HID), nn.Linear(D_HID, D_OUT))
+def test_a_module_whose_samples_are_not_independent_is_refused(extension, cls):
+    """Subtracting the batch mean mixes samples, as BatchNorm in training mode does; vmap would
+    run it on each sample alone (another function), or draw new dropout masks, without
+    complaint."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D_IN, D_HID), cls(D_HID), nn.Linear(D_HID, D_OUT))
     extend(model.to(DTYPE))
     x, y = batch()
     loss = extend(nn.CrossEntropyLoss())(model(x), y)
-    with pytest.raises(NotImplementedError, match=r"'1' \(Centred\): its samples are not indep"):
+    with pytest.raises(NotImplementedError, match=rf"'1' \({cls.__name__}\): its samples are not"):
         with backpack(extension()):
             loss.backward()
 

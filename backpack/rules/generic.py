@@ -216,7 +216,8 @@ class FuncRule(ModuleRule):
 
         The fallback computes a sample's gradient from a call on that sample alone, which is
         its gradient only if the call treats samples independently: batch statistics,
-        `.item()` of a batch reduction or a branch on batch values would give wrong numbers.
+        `.item()` of a batch reduction, a branch on batch values or a random mask drawn anew
+        (dropout in training mode) would give wrong numbers.
         Undecided (True) inside torch.func transforms and for shape-only records.
         """
         known = record.extra.get(_SAMPLES_INDEPENDENT)
@@ -243,8 +244,8 @@ class FuncRule(ModuleRule):
             raise NotImplementedError(
                 f"{describe(record.module)} gives another output for a sample alone than within "
                 "its batch, so its samples are not independent (batch statistics, a reduction "
-                "over the batch, or a branch on batch values) and per-sample quantities are "
-                "undefined for it."
+                "over the batch, a branch on batch values, or random operations such as dropout "
+                "in training mode) and per-sample quantities are undefined for it."
             )
 
     def sqrt_factor(
