@@ -10,9 +10,9 @@ references, which the engine uses to count how often a module was used in a live
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import math
-import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -464,6 +464,14 @@ def _has_parametrizations(module: nn.Module) -> bool:
     return modules is not None and isinstance(modules.get("parametrizations"), nn.ModuleDict)
 
 
+#: the hook classes of the older `nn.utils.weight_norm` and `spectral_norm` (the functions of
+#: those names shadow their modules as attributes of `torch.nn.utils`)
+_REPARAMETRIZATION_HOOKS = tuple(
+    getattr(importlib.import_module(f"torch.nn.utils.{name}"), cls, ())
+    for name, cls in (("weight_norm", "WeightNorm"), ("spectral_norm", "SpectralNorm"))
+)
+
+
 def reparametrization_hooks(module: nn.Module) -> list[Any]:
     """The forward pre-hooks of the older `torch.nn.utils.weight_norm` and `spectral_norm`.
 
@@ -473,13 +481,7 @@ def reparametrization_hooks(module: nn.Module) -> list[Any]:
     hooks = module.__dict__.get("_forward_pre_hooks")
     if not hooks:
         return []
-    from torch.nn.utils import spectral_norm, weight_norm  # the functions shadow the modules
-
-    kinds = (
-        getattr(sys.modules.get(weight_norm.__module__), "WeightNorm", ()),
-        getattr(sys.modules.get(spectral_norm.__module__), "SpectralNorm", ()),
-    )
-    return [h for h in hooks.values() if isinstance(h, kinds)]
+    return [h for h in hooks.values() if isinstance(h, _REPARAMETRIZATION_HOOKS)]
 
 
 def is_parametrized(module: nn.Module) -> bool:
