@@ -4,11 +4,14 @@
 per-sample gradients, gradient statistics and curvature next to `.grad`.
 """
 
-from backpack import extensions  # noqa: F401
+# torch.distributed: registers the synchronisation strategy that contexts use
+from backpack import (
+    distributed,  # noqa: E402, F401, I001
+    extensions,  # noqa: F401
+)
 from backpack._version import __version__
+from backpack.api import backpack, disable, extend, memory_cleanup
 from backpack.custom_module.graph_utils import convert_module_to_backpack
-from backpack.engine import backpack
-from backpack.recording import disable, extend, memory_cleanup
 from backpack.verification import VerifyReport, verify
 
 __all__ = [

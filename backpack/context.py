@@ -15,13 +15,28 @@ import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-if TYPE_CHECKING:  # pragma: no cover
-    from backpack.engine import Engine
+
+class Engine(Protocol):
+    """What recording hands a backward to: the engine of an active `backpack(...)` context.
+
+    Defined here, below recording, so that neither this module nor recording imports the
+    engine (`backpack.engine.Engine` implements it).
+    """
+
+    extensions: list[Any]
+
+    def on_module_backward(self, record: Any, grads: tuple[Tensor | None, ...]) -> None:
+        """The gradients at a recorded call's outputs are known."""
+
+    def on_module_output_part(
+        self, record: Any, parts: list[tuple[int, Tensor | None]], nodes: int
+    ) -> None:
+        """The gradients at some outputs of a multi-output call are known."""
 
 
 class _ThreadState(threading.local):

@@ -39,7 +39,7 @@ import weakref
 import zlib
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,11 +48,9 @@ from torch import Tensor, nn
 from backpack.extensions.backprop_extension import BackpropExtension
 from backpack.extensions.firstorder.base import FirstOrderBackpropExtension
 from backpack.extensions.secondorder import SecondOrderBackpropExtension
+from backpack.passes.state import BackwardState, register_sync_factory
 from backpack.recording import Record, describe, trainable_params
 from backpack.rules.losses import find_loss_rule, is_loss
-
-if TYPE_CHECKING:  # pragma: no cover
-    from backpack.engine import Engine
 
 #: Seconds a rank waits in backpack's collectives for the other ranks before it raises (the
 #: timeout of backpack's process group). Read when the group is created; the environment
@@ -421,29 +419,29 @@ class PassSync:
         #: (id(param), field) -> (Σ g², Σ g, number of samples) of a local variance
         self.variances: dict[tuple[int, str], tuple[Tensor, Tensor, int]] = {}
 
-    def _begin(self, engine: Engine) -> None:
-        if self._pass != engine.passes:
-            self._start(engine.passes)
+    def _begin(self, state: BackwardState) -> None:
+        if self._pass != state.passes:
+            self._start(state.passes)
 
-    def on_call(self, engine: Engine, record: Record) -> None:
+    def on_call(self, state: BackwardState, record: Record) -> None:
         """A module call of the pass: remember its parameters, or a loss's normaliser."""
-        self._begin(engine)
+        self._begin(state)
         if not self.active:
             return
         module = record.module
         if is_loss(module):
-            self.losses[engine.layout.loss_position(record)] = loss_normaliser(record)
+            self.losses[state.layout.loss_position(record)] = loss_normaliser(record)
             return
         params = trainable_params(module)
         if not params:
             return
-        n = engine.batch_size(record) if self.counts else 0
+        n = state.batch_size(record) if self.counts else 0
         for p in params.values():
             entry = self.params.get(id(p))
             if entry is None:
                 before = {f: _ref(getattr(p, f, None)) for f in self.fields}
                 self.params[id(p)] = [p, before, n]
-            elif engine.layout.several_groups:
+            elif state.layout.several_groups:
                 entry[2] += n  # calls on different samples
             else:
                 entry[2] = n  # calls on the same samples
@@ -452,9 +450,9 @@ class PassSync:
         """The local sums behind a variance (before scaling): Σ g², Σ g, sample count."""
         self.variances[(id(param), field)] = (sgs, gsum, n)
 
-    def abort_pass(self, engine: Engine) -> None:
+    def abort_pass(self, state: BackwardState) -> None:
         """This rank's pass failed: tell the other ranks (once), so that they raise too."""
-        self._begin(engine)
+        self._begin(state)
         if not self.active or self.exchanged or _BROKEN:
             return
         try:
@@ -462,7 +460,7 @@ class PassSync:
         except Exception:  # noqa: BLE001 - the pass's own error is the one to raise
             pass
 
-    def finish_pass(self, engine: Engine) -> None:
+    def finish_pass(self, state: BackwardState) -> None:
         """All-reduce the pass's quantities and store their global values.
 
         The first all-reduce carries every rank's header (error flag, signature, loss
@@ -470,13 +468,13 @@ class PassSync:
         agreed on in the previous pass with the same quantities; when every rank's data fits
         that shape (the usual case), it is the only one. Otherwise the data follows in a second.
         """
-        self._begin(engine)
+        self._begin(state)
         if not self.active or self.exchanged:
             return
         try:
             plan = self._plan()
         except BaseException:
-            self.abort_pass(engine)
+            self.abort_pass(state)
             raise
         head = 4 * self.world
         cached = _LAYOUTS.get(self.key)
@@ -701,3 +699,6 @@ def _scale_rows(value: Tensor, scale: float) -> Tensor:
     # in place: rules compute fresh tensors (no alias of autograd's gradients), and a copy
     # of large per-sample tensors costs page faults on the CPU
     return value.mul_(scale)
+
+
+register_sync_factory(make_sync)

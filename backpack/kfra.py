@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 
+from backpack import secondorder
 from backpack.recording import (
     Record,
     describe,
@@ -33,7 +34,7 @@ from backpack.rules.activations import elementwise_derivative
 from backpack.rules.base import ModuleRule, gram
 
 if TYPE_CHECKING:  # pragma: no cover
-    from backpack.engine import Engine
+    from backpack.passes.state import BackwardState
 
 #: largest per-sample feature dimension for which KFRA forms dense curvature matrices
 MAX_KFRA_DIM = 4096
@@ -68,7 +69,7 @@ class _Roots:
 
 
 def _sandwich(
-    engine: Engine,
+    state: BackwardState,
     gbar: Tensor,
     src: GradientEdge,
     dst: GradientEdge,
@@ -77,11 +78,9 @@ def _sandwich(
     roots: _Roots | None = None,
 ) -> Tensor:
     """(1/N) Σₙ Jₙᵀ Ḡ Jₙ for the Jacobian from `dst` to `src` (both per-sample flattened)."""
-    from backpack.secondorder import propagate
-
     root = (roots or _matrix_sqrt)(gbar)  # [D_out, r]
     cot = root.T.reshape(root.shape[1], 1, *shape).expand(root.shape[1], n, *shape)
-    (result,) = propagate(engine, src, [dst], cot.contiguous())
+    (result,) = secondorder.propagate(state, src, [dst], cot.contiguous())
     if result is None:
         raise RuntimeError("KFRA: no gradient path between consecutive modules.")
     flat = result.reshape(result.shape[0], n, -1)
@@ -121,7 +120,7 @@ def _check_dim(shape: tuple[int, ...], where: str) -> None:
         )
 
 
-def _plan(engine: Engine, loss_record: Record) -> list[tuple]:
+def _plan(state: BackwardState, loss_record: Record) -> list[tuple]:
     """Walk the module chain from the loss without computing anything; check it is feasible.
 
     Returns steps ("sandwich", src, dst, src_shape) between modules, ("module", record, src, dst,
@@ -143,14 +142,14 @@ def _plan(engine: Engine, loss_record: Record) -> list[tuple]:
             )
         record, _, out_edge = nearest[0]
         name = record.module.__class__.__name__
-        _check_sample_axis(engine, record)
+        _check_sample_axis(state, record)
         out_shape = tuple(record.outputs[0].shape[1:])
         if not _same_edge(edge, out_edge):
             _check_dim(out_shape, f"output of {name}")
             steps.append(("sandwich", edge, out_edge, shape))
         shape = out_shape
         trainable = list(trainable_params(record.module).values())
-        if any(engine.uses(p) > 1 for p in trainable):
+        if any(state.uses(p) > 1 for p in trainable):
             raise NotImplementedError(
                 f"KFRA does not support parameters used several times in one backward "
                 f"({describe(record.module)}); use KFLR or KFAC."
@@ -185,12 +184,12 @@ def _plan(engine: Engine, loss_record: Record) -> list[tuple]:
     return steps
 
 
-def _check_sample_axis(engine: Engine, record: Record) -> None:
+def _check_sample_axis(state: BackwardState, record: Record) -> None:
     """KFRA's dense matrices assume samples along axis 0 of every call in the chain."""
     rule = find_rule(record.module)
     axes = rule.output_batch_axes(record) if rule is not None else [0]
     moved = record.module.__dict__.get("_backpack_batch_axis", 0)
-    if moved or any(axes) or id(record) in engine.layout.broadcast:
+    if moved or any(axes) or id(record) in state.layout.broadcast:
         raise NotImplementedError(
             f"KFRA needs the samples along axis 0 of every call in the chain; "
             f"{describe(record.module)} has them elsewhere (a sequence-first layer, or an output "
@@ -215,15 +214,15 @@ def _check_chain_covers(loss_record: Record, steps: list[tuple]) -> None:
 
 
 def start_kfra(
-    engine: Engine, loss_record: Record, sum_hessian: Callable[[], Tensor]
+    state: BackwardState, loss_record: Record, sum_hessian: Callable[[], Tensor]
 ) -> None:
     """Run the KFRA recursion from the loss down the module chain and store the factors.
 
     `sum_hessian` builds the batch-summed loss Hessian; it runs only once the chain is known
     to be feasible (the dense matrix can be large).
     """
-    exts = [e for e in engine.second_order if e.factor == "sum"]
-    steps = _plan(engine, loss_record)
+    exts = [e for e in state.second_order if e.factor == "sum"]
+    steps = _plan(state, loss_record)
     n = loss_record.args[0].shape[0]
     gbar = sum_hessian()
     roots = _Roots()
@@ -234,12 +233,12 @@ def start_kfra(
                 _, record, src, dst, shape = step
                 closed = _module_step(record, gbar, n)
                 if closed is None:
-                    closed = _sandwich(engine, gbar, src, dst, n, shape, roots)
+                    closed = _sandwich(state, gbar, src, dst, n, shape, roots)
                 gbar = closed
                 continue
             if step[0] == "sandwich":
                 _, src, dst, shape = step
-                gbar = _sandwich(engine, gbar, src, dst, n, shape, roots)
+                gbar = _sandwich(state, gbar, src, dst, n, shape, roots)
                 continue
             _, record, shape = step
             names = list(trainable_params(record.module))

@@ -1071,24 +1071,13 @@ def _parametrization_modules(module: nn.Module) -> set[int]:
     return inside
 
 
-def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) -> nn.Module:
+def hook_modules(module: nn.Module, debug: bool = False) -> nn.Module:
     """Make `module` and its submodules record what backpack needs during forward passes.
 
     Leaf modules and modules owning parameters are hooked; pure containers (e.g. `Sequential`)
-    are only traversed. Extending twice is harmless. Returns the module itself.
-
-    Args:
-        module: The model or loss function to extend.
-        debug: Print which modules get extended.
-        use_converter: Convert the model with `torch.fx` into a graph made only of modules first.
-
-    Returns:
-        The extended module (a converted `torch.fx.GraphModule` when `use_converter=True`).
+    are only traversed. Hooking twice is harmless. Returns the module itself. (`backpack.extend`
+    calls this, after converting the model if asked to.)
     """
-    if use_converter:
-        from backpack.custom_module.graph_utils import convert_module_to_backpack
-
-        module = convert_module_to_backpack(module, debug)
     _allow_repeated_compiled_backward()
     _mark_sequence_first(module)
     parametrizations = _parametrization_modules(module)

@@ -47,8 +47,8 @@ from backpack.rules.generic import FuncRule
 from backpack.rules.losses import find_loss_rule
 
 if TYPE_CHECKING:  # pragma: no cover
-    from backpack.engine import Engine
     from backpack.extensions.secondorder import SecondOrderBackpropExtension
+    from backpack.passes.state import BackwardState
 
 #: graph nodes a residual-aware extension may meet outside modules: their second derivative
 #: vanishes (linear, or piecewise linear almost everywhere)
@@ -134,7 +134,7 @@ _LOOP_MAX_COLUMNS = 64
 
 
 def propagate(
-    engine: Engine,
+    state: BackwardState,
     output_edge: GradientEdge,
     targets: list[GradientEdge],
     factor: Tensor,
@@ -311,14 +311,19 @@ def check_module_graph(loss_record: Record, exts: list[SecondOrderBackpropExtens
         stack.extend(n for n, _ in node.next_functions)
 
 
-def on_loss_backward(engine: Engine, record: Record, grads: tuple[Tensor | None, ...]) -> None:
+def on_loss_backward(
+    state: BackwardState, record: Record, grads: tuple[Tensor | None, ...]
+) -> Callable[[], Tensor] | None:
     """Factorise the loss Hessian and propagate it to all parametrized module outputs.
+
+    Returns what KFRA starts from (a function building the batch-summed loss Hessian) when
+    a KFRA extension is active, else None.
 
     The weight w with which the loss enters the backward (the gradient reaching its output:
     `0.3 * l1 + l2` gives 0.3) scales its curvature: factors carry sqrt(|w|) and the sign of w.
     Each loss of a backward adds its own term (columns) to every module call it reaches.
     """
-    exts = engine.second_order
+    exts = state.second_order
     module = record.module
     rule = find_loss_rule(module)
     names = ", ".join(e.__class__.__name__ for e in exts)
@@ -338,16 +343,16 @@ def on_loss_backward(engine: Engine, record: Record, grads: tuple[Tensor | None,
     scale_value = float(scale)
     sign = -1.0 if scale_value < 0 else 1.0
     weight = abs(scale_value)
-    engine.loss_seen = True
+    state.loss_seen = True
     out_edge = record.input_edges[0] if record.input_edges else None
     if out_edge is None or not math.isfinite(scale_value):
-        return
+        return None
     if _needs_residual(exts):
         # KFRA needs no such check: its recursion only uses Jacobians (see backpack.kfra)
         check_module_graph(record, [e for e in exts if e.residual])
     found = [(r, i, e) for r, i, e in graph_records(out_edge) if _is_parametrized(r)]
     keys = sorted({e.factor_key for e in exts if e.factor != "sum"})
-    pos = engine.layout.loss_position(record)
+    pos = state.layout.loss_position(record)
     if keys:
         positions = rows_within_samples(record, out_edge, found)
         factors = []
@@ -367,22 +372,20 @@ def on_loss_backward(engine: Engine, record: Record, grads: tuple[Tensor | None,
                 # (as for [N, C, T] outputs): their cross terms vanish in expectation
                 s = _spread_columns(s, *positions)
             factors.append(s)
-            engine.loss_columns.setdefault(key, {})[pos] = (s.shape[0], sign)
+            state.loss_columns.setdefault(key, {})[pos] = (s.shape[0], sign)
         convolutional = any(isinstance(r.module, nn.modules.conv._ConvNd) for r, _, _ in found)
-        broadcast = any(id(r) in engine.layout.broadcast for r, _, _ in found)
+        broadcast = any(id(r) in state.layout.broadcast for r, _, _ in found)
         columns = _LossColumns(out_edge, found, keys, factors, pos, sign)
         plain_rows = positions is None and not broadcast
-        if convolutional and plain_rows and _reducible_now(engine, columns):
-            _reduce_columns(engine, columns)
+        if convolutional and plain_rows and _reducible_now(state, columns):
+            _reduce_columns(state, columns)
         else:
-            _store_factors(engine, columns, convolutional)
+            _store_factors(state, columns, convolutional)
     if any(e.factor == "sum" for e in exts):
-        from backpack.kfra import start_kfra
-
-        if len(engine.layout.losses) > 1:
+        if len(state.layout.losses) > 1:
             raise NotImplementedError(
                 "KFRA needs a single extended loss in the backward pass (its recursion follows "
-                f"one module chain), but this one has {len(engine.layout.losses)}. Use KFLR or "
+                f"one module chain), but this one has {len(state.layout.losses)}. Use KFLR or "
                 "KFAC, whose factors add up over losses."
             )
         if rows_within_samples(record, out_edge, found) is not None:
@@ -390,7 +393,9 @@ def on_loss_backward(engine: Engine, record: Record, grads: tuple[Tensor | None,
                 "KFRA needs the rows of the loss input to be the model's samples; "
                 f"{describe(module)} gets a flattened output. Use KFLR or KFAC."
             )
-        start_kfra(engine, record, lambda: rule.sum_hessian(record) * scale_value)
+        # the engine starts KFRA's recursion (backpack.kfra) from here
+        return lambda: rule.sum_hessian(record) * scale_value
+    return None
 
 
 #: largest exact loss-Hessian factor (columns x output entries) built before refusing
@@ -433,16 +438,16 @@ class _LossColumns(NamedTuple):
     sign: float  #: -1 for a loss entering the backward with a negative weight
 
 
-def _store_factors(engine: Engine, columns: _LossColumns, convolutional: bool) -> None:
+def _store_factors(state: BackwardState, columns: _LossColumns, convolutional: bool) -> None:
     """Backpropagate the factors to every target and store them there for the module rules."""
     out_edge, found, keys, factors, pos, sign = columns
     sizes = [f.shape[0] for f in factors]
     # calls broadcast over the samples (position embeddings) take the factor before the
     # broadcast's sum over samples
-    sites = [engine.layout.broadcast.get(id(r)) for r, _, _ in found]
+    sites = [state.layout.broadcast.get(id(r)) for r, _, _ in found]
     extra_edges = [site.edge for site in sites if site is not None]
     results = propagate(
-        engine,
+        state,
         out_edge,
         [e for _, _, e in found] + extra_edges,
         torch.cat(factors),
@@ -471,7 +476,7 @@ def _store_factors(engine: Engine, columns: _LossColumns, convolutional: bool) -
             slot[0][index] = part
 
 
-def _reducible_now(engine: Engine, columns: _LossColumns) -> bool:
+def _reducible_now(state: BackwardState, columns: _LossColumns) -> bool:
     """Whether every quantity of these factors is a sum over columns the targets can take at once.
 
     Diagonals, and Kronecker factors of rules whose G sums over columns (`kron_output_gram`).
@@ -481,7 +486,7 @@ def _reducible_now(engine: Engine, columns: _LossColumns) -> bool:
     parameters used by several calls on the same samples (cross terms).
     """
     keys = columns.keys
-    outputs = {e.output for e in engine.second_order if e.factor_key in keys}
+    outputs = {e.output for e in state.second_order if e.factor_key in keys}
     if not outputs <= {"diag", "batch_diag", "kron"}:
         return False
     n = columns.factors[0].shape[1]
@@ -496,7 +501,7 @@ def _reducible_now(engine: Engine, columns: _LossColumns) -> bool:
         if (find_rule(record.module) or _GENERIC).mixes_samples(record):
             return False
         params = trainable_params(record.module).values()
-        if any(engine.layout.cross_terms(p, engine.batch_size) for p in params):
+        if any(state.layout.cross_terms(p, state.batch_size) for p in params):
             return False
     return True
 
@@ -507,7 +512,7 @@ def _reducible_now(engine: Engine, columns: _LossColumns) -> bool:
 REDUCE_CHUNK_ELEMENTS = 2**22
 
 
-def _reduce_columns(engine: Engine, columns: _LossColumns) -> None:
+def _reduce_columns(state: BackwardState, columns: _LossColumns) -> None:
     """Backpropagate one column at a time and sum its squares into each target's diagonals.
 
     Through convolutions this is how columns travel anyway (see `_LOOP_MAX_COLUMNS`); reducing
@@ -518,7 +523,7 @@ def _reduce_columns(engine: Engine, columns: _LossColumns) -> None:
     out_edge, found, keys, factors, pos, sign = columns
     flags, approxes = {}, {}
     for key in keys:
-        users = [e for e in engine.second_order if e.factor_key == key]
+        users = [e for e in state.second_order if e.factor_key == key]
         flags[key] = sorted({e.output == "batch_diag" for e in users if e.output != "kron"})
         approxes[key] = sorted({e.kfac_approx for e in users if e.output == "kron"})
     targets = [edge for _, _, edge in found]
@@ -957,7 +962,7 @@ def _fallback_diag(
 
 
 def on_activation_backward(
-    engine: Engine, record: Record, grads: tuple[Tensor | None, ...]
+    state: BackwardState, record: Record, grads: tuple[Tensor | None, ...]
 ) -> None:
     """Add the activation's residual curvature to the modules before it.
 
@@ -967,9 +972,9 @@ def on_activation_backward(
     and matrix products a `ChainEntry`; everything else gets unit columns of z propagated by
     autograd (in chunks; reduced at once when only diagonals need them).
     """
-    exts = engine.second_order
+    exts = state.second_order
     modes = _needs_residual(exts)
-    if not modes or not engine.loss_seen:
+    if not modes or not state.loss_seen:
         return
     rule = find_activation_rule(record.module)
     if rule is None or grads[0] is None:
@@ -1015,11 +1020,11 @@ def on_activation_backward(
     routed = {id(route[0])} if route is not None else set()
     for_diag = [t for t in others if diag_modes and id(t[0]) not in routed]
     for_mp = [t for t in others if mp_modes and id(t[0]) not in chains]
-    _propagate_residual(engine, edge, residual, diags, for_diag, diag_modes, for_mp, mp_modes)
+    _propagate_residual(state, edge, residual, diags, for_diag, diag_modes, for_mp, mp_modes)
 
 
 def _propagate_residual(
-    engine: Engine,
+    state: BackwardState,
     edge: GradientEdge,
     residual: Tensor,
     diags: dict[str, Tensor],
@@ -1050,14 +1055,14 @@ def _propagate_residual(
     flat_diags = {mode: d.reshape(n, -1) for mode, d in diags.items()}
     widest = max([flat.shape[1]] + [math.prod(t[0].outputs[t[1]].shape[1:]) for t in targets])
     per_sample_flags = {
-        mode: sorted({e.output == "batch_diag" for e in engine.second_order if e.residual == mode})
+        mode: sorted({e.output == "batch_diag" for e in state.second_order if e.residual == mode})
         for mode in diag_modes
     }
     reduced: dict[int, dict[str, dict[bool, dict[str, Tensor]]]] = {}
     kept: dict[int, list[tuple[Tensor, Tensor]]] = {}
     for cols, units in _unit_chunks(flat, RESIDUAL_CHUNK_ELEMENTS, widest):
         cotangent = units.reshape(-1, *residual.shape)
-        results = propagate(engine, edge, [t[2] for t in targets], cotangent)
+        results = propagate(state, edge, [t[2] for t in targets], cotangent)
         for (target, index, _), result in zip(targets, results):
             if result is None:
                 continue

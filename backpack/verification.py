@@ -31,9 +31,8 @@ import torch
 from torch import Tensor, nn
 
 from backpack import extensions as _extensions
-from backpack.engine import backpack
+from backpack.api import backpack, extend
 from backpack.extensions.backprop_extension import BackpropExtension
-from backpack.recording import extend
 from backpack.reference import CHECKS, RTOL, ExtensionCheck, Pair, Reference, ShapeError, Unchecked
 from backpack.reference import compare as _compare
 from backpack.rules import find_rule

@@ -64,7 +64,7 @@ def _time_step(step, device: torch.device) -> float:
 
 def _measure(name: str, ext_name: str, cfg: dict, device: torch.device) -> dict[str, Any]:
     from backpack import backpack, distributed, extend
-    from backpack.engine import Engine
+    from backpack.passes.state import BackwardState
     from benchmarks.run import SAVEFIELDS, _extension_factories
 
     make = _extension_factories()[ext_name]
@@ -78,7 +78,7 @@ def _measure(name: str, ext_name: str, cfg: dict, device: torch.device) -> dict[
     reduced = {"bytes": 0, "seconds": 0.0, "inside": False}
     original, all_reduce = distributed.PassSync.finish_pass, dist.all_reduce
 
-    def timed_finish(self, engine: Engine) -> None:
+    def timed_finish(self, engine: BackwardState) -> None:
         start = time.perf_counter()
         reduced["inside"] = True
         try:

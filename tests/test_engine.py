@@ -289,7 +289,7 @@ def test_parameter_used_outside_extended_modules_warns_and_covers_extended_uses(
 @pytest.mark.cpu_only  # on GPUs Variance takes the rule's sum instead (see the next test)
 def test_coverage_check_schedule_and_variance_always_checked(monkeypatch):
     """Checks run on a parameter's first passes and every 16th; with Variance on every pass."""
-    import backpack.engine as engine_module
+    import backpack.passes.first_order as engine_module
 
     # the test's layers are small: make Variance wait for autograd's sum as on large ones
     monkeypatch.setattr(engine_module, "VARIANCE_WAIT_MIN_WORK", 0)
@@ -316,7 +316,7 @@ def test_coverage_check_schedule_and_variance_always_checked(monkeypatch):
 
 def test_variance_from_the_rules_gradient_sum_as_on_gpus(monkeypatch):
     """Off the CPU the rule computes the gradient sum: exact too, with or without other uses."""
-    import backpack.engine as engine_module
+    import backpack.passes.first_order as engine_module
 
     monkeypatch.setattr(engine_module, "variance_waits_for_grad", lambda param, samples: False)
     model, plain = extended_pair()
@@ -1289,7 +1289,7 @@ def test_grad_batch_sums_to_grad(reduction):
 
 def test_variance_waits_for_autograds_sum_only_for_large_products():
     """Small layers compute the sum (cheaper than a check on every pass); large ones wait."""
-    from backpack.engine import VARIANCE_WAIT_MIN_WORK, variance_waits_for_grad
+    from backpack.passes.first_order import VARIANCE_WAIT_MIN_WORK, variance_waits_for_grad
 
     small, large = torch.zeros(10, 64), torch.zeros(512, 784)
     assert not variance_waits_for_grad(small, 128)

@@ -305,7 +305,7 @@ def test_modules_returning_their_input_are_part_of_the_chain(identity):
 
 
 def test_context_without_extended_modules_warns_once():
-    from backpack import engine
+    from backpack import api as engine
 
     engine._WARNED_NOTHING.clear()
     model = nn.Linear(3, 2)

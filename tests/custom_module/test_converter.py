@@ -533,7 +533,7 @@ def test_kflr_kfac_match_definition(name):
 
 
 def test_kflr_through_lstm_is_unsupported_clearly():
-    import backpack.engine as engine_module
+    import backpack.passes.curvature as engine_module
 
     model, x, lossfunc, y = build("functional-zoo")
     gm = convert(model)

@@ -11,7 +11,7 @@ import torch
 from second_order_reference import Curvature
 from torch import nn
 
-import backpack.engine as engine_module
+import backpack.passes.curvature as engine_module
 from backpack import backpack, extend
 from backpack import secondorder as secondorder_module
 from backpack.context import CTX
