@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 
+from backpack.context import CTX
 from backpack.recording import (
     Record,
     describe,
@@ -96,6 +97,16 @@ _RESHAPE_NODES = {
     "ToCopyBackward0",
 }
 
+#: shape-only nodes that also move axes: a chain through them is mapped back by autograd
+_AXIS_NODES = {
+    "PermuteBackward0",
+    "TransposeBackward0",
+    "TBackward0",
+    "SqueezeBackward0",
+    "SqueezeBackward1",
+    "SqueezeBackward2",
+}
+
 
 class BroadcastSite:
     """Where a call whose output holds no sample axis is broadcast over the samples.
@@ -105,10 +116,16 @@ class BroadcastSite:
     embedding. A pre-hook on the broadcasting addition keeps the gradient of each sample.
     """
 
-    def __init__(self, node: Any, scale: float) -> None:
+    def __init__(
+        self, node: Any, scale: float, operand: GradientEdge | None = None, start: Any = None
+    ) -> None:
         self.node = node
         #: factor between the addition's output gradient and this operand's (alpha, -1 for -)
         self.scale = scale
+        #: the addition's input edge of this operand, and the call's output node, when the
+        #: chain between them moves axes (then autograd maps gradients back along it)
+        self.operand = operand
+        self.start = start
         self.captured: Tensor | None = None
         self.handle = node.register_prehook(self._capture)
 
@@ -126,6 +143,8 @@ class BroadcastSite:
         `grad` is `[*lead, *P]` with P the addition's output shape; None if P is not a broadcast
         of `out_shape` along a leading sample axis.
         """
+        if self.operand is not None:
+            return self._per_sample_through_chain(grad, out_shape, lead)
         p_shape = grad.shape[lead:]
         padded = (1,) * (len(p_shape) - len(out_shape)) + tuple(out_shape)
         if len(padded) != len(p_shape) or padded[0] != 1 or p_shape[0] <= 1:
@@ -140,6 +159,40 @@ class BroadcastSite:
         reduced = reduced.reshape(*grad.shape[:lead], p_shape[0], *out_shape)
         return reduced * self.scale if self.scale != 1 else reduced
 
+    def _per_sample_through_chain(
+        self, grad: Tensor, out_shape: torch.Size, lead: int
+    ) -> Tensor | None:
+        """Per-sample gradients at the operand, carried back to the call's output by autograd.
+
+        The chain (permutes, transposes, unsqueezes, views) holds no saved tensors, so it can
+        be backpropagated again, batched over the samples, after the main backward passed it.
+        """
+        node, nr = self.operand.node, self.operand.output_nr
+        operand_shape = tuple(node._input_metadata[nr].shape)
+        p_shape = grad.shape[lead:]
+        padded = (1,) * (len(p_shape) - len(operand_shape)) + operand_shape
+        if len(padded) != len(p_shape) or padded[0] != 1 or p_shape[0] <= 1:
+            return None
+        if any(a != b and a != 1 for a, b in zip(padded, p_shape)):
+            return None
+        dims = [lead + i for i, (a, b) in enumerate(zip(padded, p_shape)) if i and a == 1 != b]
+        reduced = grad.sum(dims, keepdim=True) if dims else grad
+        n = p_shape[0]
+        columns = reduced.reshape(-1, *operand_shape)  # [lead · N, *operand]
+        if self.scale != 1:
+            columns = columns * self.scale
+        with CTX.propagation(), torch.enable_grad():
+            (result,) = torch.autograd.grad(
+                [self.operand],
+                [GradientEdge(self.start, 0)],
+                [columns],
+                retain_graph=True,
+                is_grads_batched=True,
+            )
+        if result is None or tuple(result.shape[1:]) != tuple(out_shape):
+            return None
+        return result.reshape(*grad.shape[:lead], n, *out_shape)
+
 
 def _broadcast_site(
     record: Record, node: Any, parents: dict[int, list[tuple[Any, int]]]
@@ -148,6 +201,7 @@ def _broadcast_site(
     if len(record.outputs) != 1 or any(e is not None for e in record.input_edges):
         return None
     seen: set[int] = set()
+    start, moves_axes = node, False
     while True:
         consumers = {(id(p), i): (p, i) for p, i in parents.get(id(node), [])}
         if len(consumers) != 1:
@@ -157,7 +211,8 @@ def _broadcast_site(
             return None
         seen.add(id(consumer))
         name = consumer.name()
-        if name in _RESHAPE_NODES:
+        if name in _RESHAPE_NODES or name in _AXIS_NODES:
+            moves_axes = moves_axes or name in _AXIS_NODES
             node = consumer
             continue
         if name not in ("AddBackward0", "SubBackward0"):
@@ -165,7 +220,10 @@ def _broadcast_site(
         alpha = float(getattr(consumer, "_saved_alpha", 1)) if index == 1 else 1.0
         if name == "SubBackward0" and index == 1:
             alpha = -alpha
-        return BroadcastSite(consumer, alpha)
+        if not moves_axes:
+            return BroadcastSite(consumer, alpha)
+        operand = consumer.next_functions[index]
+        return BroadcastSite(consumer, alpha, GradientEdge(*operand), start)
 
 
 class SampleLayout:

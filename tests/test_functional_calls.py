@@ -94,14 +94,15 @@ def test_tied_output_layer_and_functional_loss(style, flatten):
         close(p.ggnmp(mat), (ref.block(ref.ggn, name) @ mat.flatten(1).T).T.reshape(mat.shape))
 
 
-def test_tied_weight_kronecker_factors_skip_only_that_parameter():
+def test_tied_weight_kronecker_factors_are_those_of_the_stored_weight():
     torch.manual_seed(0)
     model = extend(Tied("linear").to(DT))
     idx, y = torch.randint(0, V, (N, T)), torch.randint(0, V, (N, T))
-    with pytest.warns(UserWarning, match="KFLR skips parameter weight of 'emb'"):
-        with backpack(KFLR()):
-            F.cross_entropy(model(idx).transpose(1, 2), y).backward()
-    assert not hasattr(model.emb.weight, "kflr")
+    with backpack(KFLR()):
+        F.cross_entropy(model(idx).transpose(1, 2), y).backward()
+    assert [f.shape for f in model.emb.weight.kflr] == [(V, V), (D, D)]
+    for factor in model.emb.weight.kflr:
+        assert torch.linalg.eigvalsh(factor).min() > -1e-10  # positive semi-definite
     assert [f.shape for f in model.mix.weight.kflr] == [(D, D), (D, D)]
 
 

@@ -8,12 +8,11 @@ with several calls, several losses or several sets of samples are combined when 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from backpack import secondorder
 from backpack.extensions.backprop_extension import BackpropExtension
@@ -26,23 +25,69 @@ from backpack.recording import Record, describe, get_param, trainable_params
 from backpack.rules import find_rule
 from backpack.rules.base import ModuleRule
 
-_WARNED_KRON: set[tuple[str, type]] = set()
+#: largest parameter (number of entries) whose Kronecker "factors" may be its dense curvature
+#: block: a one-element list `[B]` with B of shape `[P, P]`, as for a Linear layer's bias
+DENSE_BLOCK_MAX_NUMEL = 4096
 
 
-def _warn_no_kron(ext: BackpropExtension, module: nn.Module) -> None:
-    """A layer without Kronecker factors: its parameters get none, the others get theirs."""
-    key = (ext.savefield, type(module))
-    if key in _WARNED_KRON:
-        return
-    _WARNED_KRON.add(key)
-    warnings.warn(
-        f"{ext.__class__.__name__} has no Kronecker factors for {describe(module)}; "
-        f"its parameters get no '{ext.savefield}' (every other "
-        "layer gets its factors). Kronecker factors exist for Linear, convolution, embedding, "
-        "normalisation and attention layers; use DiagGGN* or GGNMP for this one.",
-        UserWarning,
-        stacklevel=2,
-    )
+def _check_dense_size(ext: BackpropExtension, param: Tensor, label: str, why: str) -> None:
+    if param.numel() > DENSE_BLOCK_MAX_NUMEL:
+        raise NotImplementedError(
+            f"{ext.__class__.__name__} has no Kronecker factors for {label} ({why}), and its "
+            f"curvature block as one dense matrix would be [{param.numel()}, {param.numel()}], "
+            f"above backpack.passes.curvature.DENSE_BLOCK_MAX_NUMEL = {DENSE_BLOCK_MAX_NUMEL} "
+            "entries per side. Raise that limit if the matrix fits in memory, or use the "
+            "diagonal (DiagGGNExact, DiagGGNMC) or matrix products (GGNMP) for this parameter."
+        )
+
+
+def _dense_blocks(
+    ext: BackpropExtension,
+    record: Record,
+    rule: ModuleRule,
+    factors: list[Tensor | None],
+    names: list[str],
+) -> dict[str, list[Tensor]]:
+    """`[B]` per parameter: B = Σ_columns Σ_n (Jₙᵀ s)(Jₙᵀ s)ᵀ, its curvature block, flattened.
+
+    For layers without a Kronecker rule (norm layers, BatchNorm in eval mode, layers on the
+    torch.func fallback): with the exact factor (KFLR) it is the parameter's GGN block, with a
+    sampled one (KFAC) its Monte-Carlo estimate.
+    """
+    params = trainable_params(record.module)
+    for name in names:
+        label = f"parameter {name} of {describe(record.module)}"
+        _check_dense_size(ext, params[name], label, "its layer has no Kronecker rule")
+    roots = rule.sqrt_factor(record, factors, names)
+    return {name: [gram_of(roots[name].reshape(-1, params[name].numel()))] for name in names}
+
+
+def gram_of(rows: Tensor) -> Tensor:
+    """`rowsᵀ rows`: the sum of the outer products of the rows."""
+    return rows.T @ rows
+
+
+def nearest_kronecker(pairs: list[list[Tensor]]) -> list[Tensor]:
+    """`[R, C]` with R ⊗ C nearest (Frobenius norm) to Σᵤ Rᵤ ⊗ Cᵤ (Van Loan and Pitsianis).
+
+    The sum is rearranged into the rank-U matrix Σᵤ vec(Rᵤ) vec(Cᵤ)ᵀ, whose best rank-one
+    approximation needs only the U x U Gram matrices of the R's and of the C's. For positive
+    semi-definite factors the Gram matrices are non-negative, so R and C are non-negative
+    combinations of the Rᵤ and Cᵤ (positive semi-definite too). Uses with equal input-side
+    factors give their exact sum, (Σᵤ Rᵤ) ⊗ C.
+    """
+    rows = torch.stack([r.flatten() for r, _ in pairs], 1).double()  # [a, U]
+    cols = torch.stack([c.flatten() for _, c in pairs], 1).double()  # [b, U]
+    gram_r, gram_c = rows.T @ rows, cols.T @ cols
+    values, vectors = torch.linalg.eig(gram_c @ gram_r)
+    x = vectors[:, values.real.argmax()].real
+    x = x * (1.0 if float(x.sum()) >= 0 else -1.0)
+    weight = float(x @ gram_r @ x)
+    if weight <= 0:
+        return [torch.zeros_like(pairs[0][0]), torch.zeros_like(pairs[0][1])]
+    r = (rows @ x).reshape(pairs[0][0].shape)
+    c = (cols @ (gram_r @ x) / weight).reshape(pairs[0][1].shape)
+    return [r.to(pairs[0][0].dtype), c.to(pairs[0][1].dtype)]
 
 
 def _zero_product(mat: Tensor) -> Tensor:
@@ -254,10 +299,10 @@ def _kron(
         factors = secondorder.joint_factors(record, ext, sign)
         if factors is None:
             continue
-        kron = rule.kron_factors(record, factors, names, ext.kfac_approx)
-        if kron is None:
-            _warn_no_kron(ext, record.module)
-            return None
+        kron = rule.kron_factors(record, factors, names, ext.kfac_approx) or {}
+        missing = [name for name in names if name not in kron]
+        if missing:  # no Kronecker rule: the parameter's whole curvature block
+            kron = {**kron, **_dense_blocks(ext, record, rule, factors, missing)}
         terms.append((kron, sign))
     # terms whose G was summed column by column during the propagation
     reduced = record.extra.get("reduced_kron", {}).get(ext.factor_key, {})
@@ -349,14 +394,7 @@ def _shared_value(
         return _shared_product(state, ext, name, calls)
     if ext.output == "kron":
         if cross:
-            warnings.warn(
-                f"{ext.__class__.__name__} skips {label}: it is used several times on the "
-                "same samples (weight sharing), for which Kronecker factors are not "
-                "defined here. The other parameters get their factors.",
-                UserWarning,
-                stacklevel=2,
-            )
-            return None
+            return _tied_kron(state, ext, param, name, calls, label)
         return _shared_kron(state, ext, name, calls)
     if ext.residual is not None:
         if cross:
@@ -378,6 +416,24 @@ def _shared_value(
             total = value if total is None else total + value
         return total
     # square roots of all calls (cross terms between calls on the same samples included)
+    full, sign = _joint_sqrt(state, ext, param, name, calls)
+    if ext.output == "sqrt":
+        subsampling = ext.get_subsampling()
+        if subsampling is not None:
+            full = full[:, torch.as_tensor(subsampling, dtype=torch.long, device=full.device)]
+        return full
+    squares = full.square() * sign.reshape(-1, *([1] * (full.dim() - 1)))
+    return squares.sum(0) if ext.output == "batch_diag" else squares.sum((0, 1))
+
+
+def _joint_sqrt(
+    state: BackwardState,
+    ext: SecondOrderBackpropExtension,
+    param: Tensor,
+    name: str,
+    calls: list[tuple[Record, ModuleRule, tuple[int, int] | None]],
+) -> tuple[Tensor, Tensor]:
+    """`[V, N, *P]` square root of all calls' curvature (cross terms included), column signs."""
     record, rule, placement = calls[0]
     pieces = _SqrtPieces(param, rule.batch_size(record) if placement is None else placement[1])
     columns = {p: v for p, (v, _) in state.loss_columns.get(ext.factor_key, {}).items()}
@@ -389,16 +445,49 @@ def _shared_value(
             piece = rule.sqrt_factor(record, factors, [name])[name]
             pieces.add(pos, placement, piece)
     full = pieces.assemble(columns)
-    if ext.output == "sqrt":
-        subsampling = ext.get_subsampling()
-        if subsampling is not None:
-            full = full[:, torch.as_tensor(subsampling, dtype=torch.long, device=full.device)]
-        return full
-    sign = torch.cat(
-        [full.new_full((columns[p],), signs.get(p, 1.0)) for p in sorted(columns)]
-    ).reshape(-1, *([1] * (full.dim() - 1)))
-    squares = full.square() * sign
-    return squares.sum(0) if ext.output == "batch_diag" else squares.sum((0, 1))
+    sign = torch.cat([full.new_full((columns[p],), signs.get(p, 1.0)) for p in sorted(columns)])
+    return full, sign
+
+
+def _tied_kron(
+    state: BackwardState,
+    ext: SecondOrderBackpropExtension,
+    param: Tensor,
+    name: str,
+    calls: list[tuple[Record, ModuleRule, tuple[int, int] | None]],
+    label: str,
+) -> list[Tensor]:
+    """Kronecker factors of a parameter used several times on the same samples (tied weights).
+
+    When every use has a Kronecker pair, each pair is oriented as the parameter is stored (a
+    rule naming the parameter in `KRON_TRANSPOSED` gives the factors of its transpose, as an
+    embedding does), and the result is the Kronecker product nearest to the sum of the uses'
+    products (`nearest_kronecker`). Like KFAC's "expand" treatment of the positions of a
+    sequence, it leaves out the cross terms between uses; for uses with equal input-side
+    factors it is exactly "expand" with the uses as extra positions. Otherwise (a use without
+    a Kronecker pair, or a bias) the parameter gets its exact curvature block `[B]`, cross
+    terms between the uses included, within `DENSE_BLOCK_MAX_NUMEL`.
+    """
+    pairs = []
+    for record, rule, _ in calls:
+        kron = _kron(state, ext, record, rule, [name]) if _has_kron(rule, record) else None
+        factors = [] if kron is None else list(kron[name])
+        if len(factors) != 2:
+            break
+        if name in getattr(rule, "KRON_TRANSPOSED", ()):
+            factors.reverse()
+        pairs.append(factors)
+    else:
+        return nearest_kronecker(pairs)
+    _check_dense_size(ext, param, label, "it is used several times on the same samples")
+    full, sign = _joint_sqrt(state, ext, param, name, calls)
+    flat = full.reshape(full.shape[0], -1, param.numel())
+    return [torch.einsum("v,vnp,vnq->pq", sign.to(flat.dtype), flat, flat)]
+
+
+def _has_kron(rule: ModuleRule, record: Record) -> bool:
+    """Whether the rule has Kronecker factors of its own (not the dense fallback)."""
+    return type(rule).kron_factors is not ModuleRule.kron_factors
 
 
 def _shared_kron(

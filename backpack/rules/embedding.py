@@ -71,6 +71,9 @@ def _pair_sums(idx: Tensor, g: Tensor, num_embeddings: int) -> tuple[Tensor, Ten
 class EmbeddingRule(ModuleRule):
     """Per-sample gradients and fused reductions of `nn.Embedding`'s weight."""
 
+    #: `kron_factors` gives the factors of `weight.T` (the Linear map on one-hot inputs)
+    KRON_TRANSPOSED = frozenset({"weight"})
+
     def per_sample_grads(
         self,
         record: Record,

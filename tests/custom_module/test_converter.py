@@ -20,6 +20,7 @@ The fast tests use cut-down torchvision models built from the library's own clas
 blocks; the full-size models run under `@pytest.mark.slow`.
 """
 
+import math
 import operator
 
 import pytest
@@ -532,19 +533,16 @@ def test_kflr_kfac_match_definition(name):
         close(p.kfac[0], p.kfac[0].T, k)
 
 
-def test_kflr_through_lstm_is_unsupported_clearly():
-    import backpack.passes.curvature as engine_module
-
+def test_kflr_through_lstm_gives_every_parameter_factors():
     model, x, lossfunc, y = build("functional-zoo")
     gm = convert(model)
     lossfunc = extend(lossfunc)
-    engine_module._WARNED_KRON.clear()
-    with pytest.warns(UserWarning, match="no Kronecker factors for .*LSTM"):
-        with backpack(KFLR()):
-            lossfunc(gm(x), y).backward()
+    with backpack(KFLR()):
+        lossfunc(gm(x), y).backward()
     for module in gm.modules():
         for p in module.parameters(recurse=False):
-            assert hasattr(p, "kflr") == (not isinstance(module, nn.LSTM))
+            assert all(f.shape[0] == f.shape[1] for f in p.kflr)
+            assert math.prod(f.shape[0] for f in p.kflr) == p.numel()
 
 
 def test_inplace_reads_after_conversion_see_the_result():

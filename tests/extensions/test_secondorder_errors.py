@@ -222,17 +222,32 @@ def test_batchnorm_train_mode():
 
 
 @pytest.mark.parametrize("ext", [KFAC(), KFLR()], ids=repr)
-def test_kronecker_factors_on_batchnorm_skip_only_that_layer(ext):
+def test_kronecker_factors_on_batchnorm_in_eval_mode_are_its_dense_block(ext):
+    """No Kronecker rule: the parameter's whole curvature block `[B]` (exact for KFLR)."""
+    x, y = data()
+    model = bn_model().eval()
+    reference = Curvature(copy.deepcopy(model), x, nn.CrossEntropyLoss(), y, hessian=False)
+    extend(model)
+    loss = extend(nn.CrossEntropyLoss())(model(x), y)
+    with backpack(ext):
+        loss.backward()
+    for name, p in model.named_parameters():
+        factors = getattr(p, ext.savefield)
+        if name.startswith("1."):  # the BatchNorm layer
+            assert len(factors) == 1 and factors[0].shape == (p.numel(), p.numel())
+            if isinstance(ext, KFLR):
+                close(factors[0], reference.block(reference.ggn, name), name)
+    recovers(bn_model().eval(), x, y)
+
+
+def test_dense_blocks_above_the_limit_are_refused_by_name(monkeypatch):
     x, y = data()
     model = extend(bn_model().eval())
     loss = extend(nn.CrossEntropyLoss())(model(x), y)
-    engine_module._WARNED_KRON.clear()
-    with pytest.warns(UserWarning, match=f"BatchNorm1d.*no '{ext.savefield}'"):
-        with backpack(ext):
+    monkeypatch.setattr(engine_module, "DENSE_BLOCK_MAX_NUMEL", 4)
+    with pytest.raises(NotImplementedError, match=r"weight of '1' \(BatchNorm1d\).*\[5, 5\]"):
+        with backpack(KFLR()):
             loss.backward()
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            assert hasattr(p, ext.savefield) == isinstance(module, nn.Linear)
     recovers(bn_model().eval(), x, y)
 
 

@@ -28,6 +28,31 @@ class TiedLM(nn.Module):
         return self.head(h).transpose(1, 2)  # [N, V, T] for the per-token cross-entropy
 
 
+class RelativeBias(nn.Module):
+    """T5's relative position bias: an embedding of a `[T, T]` index, added to every sample.
+
+    The lookup has no sample axis (its index comes from `torch.arange(T)`); its `[T, T, H]`
+    output is permuted to `[1, H, T, T]` and broadcast over the samples by the addition.
+    """
+
+    def __init__(self, dim=4, heads=2, span=3):
+        super().__init__()
+        self.span = span
+        self.rel = nn.Embedding(2 * span + 1, heads)
+        self.out = nn.Linear(dim, 3)
+
+    def forward(self, x):
+        r = torch.arange(x.shape[1], device=x.device)
+        bias = self.rel((r[None] - r[:, None]).clamp(-self.span, self.span) + self.span)
+        scores = (x @ x.transpose(1, 2)).unsqueeze(1) + bias.permute(2, 0, 1).unsqueeze(0)
+        return self.out((scores.softmax(-1) @ x.unsqueeze(1)).sum(1)).mean(1)
+
+
+def floats(*shape):
+    """Input builder: standard normal float64 numbers."""
+    return lambda: torch.randn(*shape, dtype=torch.float64)
+
+
 def indices(num_embeddings, *shape, force=None):
     """Input builder: random indices; `force` puts that index at the last position of each row."""
 
@@ -67,4 +92,15 @@ PROBLEMS = [
         lambda: torch.tensor([0, 3, 1, 1, 3, 2, 1]),
     ),
     Problem("embedding-tied-lm", TiedLM, indices(6, 5, 4), tags={"first", "reuse"}),
+    # T == N: a shape test (axis 0 of size N) would take the T rows for the samples
+    Problem(
+        "embedding-relative-bias-t-eq-n", RelativeBias, floats(4, 4, 4), tags={"first", "second"}
+    ),
+    Problem(
+        "embedding-relative-bias",
+        RelativeBias,
+        floats(3, 5, 4),
+        lambda: nn.MSELoss(reduction="sum"),
+        tags={"first", "second"},
+    ),
 ]

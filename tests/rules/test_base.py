@@ -1,5 +1,7 @@
 """Helpers shared by the rules, and which class's rule a module gets."""
 
+import copy
+
 import pytest
 import torch
 from problems import ALL_PROBLEMS
@@ -10,6 +12,7 @@ from problems.subclasses import (
     ScaledInputConv,
     SoftReLU,
 )
+from second_order_reference import Curvature
 from torch import nn
 
 from backpack import backpack, extend
@@ -90,18 +93,25 @@ def test_hessian_extensions_refuse_overridden_forwards(problem):
     "problem", [p for p in _FALLBACK_PROBLEMS if "activation" not in p.id], ids=lambda p: p.id
 )
 @pytest.mark.parametrize("extension", [KFAC, KFLR])
-def test_kronecker_extensions_skip_overridden_forwards_with_a_warning(problem, extension):
+def test_kronecker_extensions_give_overridden_forwards_their_dense_block(problem, extension):
+    """No Kronecker rule applies to an override: each parameter gets its curvature block."""
     model, x, lossfunc, y = problem.build()
+    reference = Curvature(copy.deepcopy(model), x, copy.deepcopy(lossfunc), y, hessian=False)
     extend(model)
     layer = _overriding_module(model)
     loss = extend(lossfunc)(model(x), y)
-    with pytest.warns(UserWarning, match=f"no Kronecker factors for .*{type(layer).__name__}"):
-        with backpack(extension()):
-            loss.backward()
+    with backpack(extension()):
+        loss.backward()
     savefield = extension().savefield
-    assert not any(hasattr(p, savefield) for p in layer.parameters())
-    assert all(hasattr(p, savefield) for m in model.modules() if m is not layer
-               for p in m.parameters(recurse=False))
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p in layer.parameters():
+        (block,) = getattr(p, savefield)
+        if extension is KFLR:
+            expected = reference.block(reference.ggn, names[id(p)])
+            torch.testing.assert_close(block, expected, rtol=1e-6, atol=1e-9)
+        else:
+            assert block.shape == (p.numel(), p.numel())
+    assert all(hasattr(p, savefield) for p in model.parameters())
 
 
 class _LoggedBatchNorm(nn.BatchNorm1d):
