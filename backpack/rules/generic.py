@@ -189,6 +189,17 @@ class _SampleCalls:
         return tuple(torch.stack(parts) for parts in zip(*rows))
 
 
+def _working(param: Tensor) -> Tensor:
+    """A parameter as the fallback computes with it: detached, 16-bit ones in float32.
+
+    Recorded 16-bit inputs are promoted to float32 before rules run (`Record.promote_half`), so
+    the parameters follow: quantities of bf16/fp16 weights are computed and accumulated in
+    float32, as the dedicated rules do.
+    """
+    param = param.detach()
+    return param.float() if param.dtype in (torch.float16, torch.bfloat16) else param
+
+
 def _device(record: Record) -> torch.device:
     tensor = next(tensors_in((record.args, tuple(record.kwargs.values()))), None)
     return tensor.device if tensor is not None else torch.device("cpu")
@@ -227,7 +238,7 @@ class FuncRule(ModuleRule):
             return True
         calls = _SampleCalls(self, record, None)
         names = trainable_params(record.module)
-        params = {k: get_param(record.module, k).detach() for k in names}
+        params = {k: _working(get_param(record.module, k)) for k in names}
         try:
             with torch.no_grad(), CTX.internal(), transformable(record.module):
                 alone = calls.over_samples(
@@ -273,7 +284,7 @@ class FuncRule(ModuleRule):
         calls = _SampleCalls(self, record, subsampling)
         if calls.index is not None:
             cotangents = [c.index_select(0, calls.index) for c in cotangents]
-        params = {name: get_param(record.module, name).detach() for name in names}
+        params = {name: _working(get_param(record.module, name)) for name in names}
 
         def one_sample(sample_args: tuple, sample_kwargs: dict, sample_cots: list) -> dict:
             _, pullback = vjp(lambda p: calls.call(sample_args, sample_kwargs, p), params)
@@ -365,7 +376,7 @@ def jvp_outputs(
     """J·M_k for each slice of `tangents` (`[K, *param.shape]`): `[K, *out_i]` per output."""
     _load_jvp_decompositions()
     f = _functional_outputs(module, args, kwargs, name, requires_grad)
-    primal = get_param(module, name).detach()
+    primal = _working(get_param(module, name))
 
     def one(tangent: Tensor) -> tuple[Tensor, ...]:
         return jvp(f, (primal,), (tangent,))[1]
@@ -403,7 +414,7 @@ def vjp_params(
 ) -> Tensor:
     """Jᵀ·c_k summed over samples for each slice k of the output cotangents."""
     f = _functional_outputs(module, args, kwargs, name, requires_grad)
-    primal = get_param(module, name).detach()
+    primal = _working(get_param(module, name))
     with torch.enable_grad(), CTX.internal(), transformable(module):
         outputs, pullback = vjp(f, primal)
         k = next(c for c in cotangents if c is not None).shape[0]
