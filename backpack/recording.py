@@ -131,6 +131,7 @@ class Record:
         "_half_checked",
         "shape_only",
         "input_producer",
+        "rng",
         "__weakref__",
     )
 
@@ -201,6 +202,8 @@ class Record:
         #: for an idempotent activation keeping its output as input: the shape-only record
         #: whose output the true input was (`input_values` recomputes it from there)
         self.input_producer = input_producer
+        #: for calls that draw random numbers (`RANDOM_CALLS`): the generator before the call
+        self.rng: GeneratorState | None = None
 
     @property
     def input0(self) -> Tensor:
@@ -254,6 +257,7 @@ class Record:
         self.output_structure = None
         self.extra = {}
         self._input_edges = ()
+        self.rng = None
         self.freed = True
 
     def modified(self) -> bool:
@@ -658,6 +662,109 @@ def _independent_outputs(output: Any, out_tensors: list[Tensor]) -> Any:
     return map_tensors(output, lambda t: next(replaced) if t.requires_grad else t)
 
 
+# --- random draws inside a forward -------------------------------------------------------------
+
+#: module class -> test on a module: does its call draw random numbers that the class's rule
+#: replays (dropout on `MultiheadAttention`'s weights in training mode)? Such calls keep the
+#: state of their device's default generator from just before the call (`Record.rng`), which
+#: a forward pre-hook reads (reading it draws nothing). Rules register their classes.
+RANDOM_CALLS: dict[type, Callable[[nn.Module], bool]] = {}
+#: (thread, id(module)) -> the generator state saved by the pre-hook of a running call
+_PENDING_RNG: dict[tuple[int, int], GeneratorState] = {}
+#: replays set a default generator and restore it: one at a time
+_REPLAY_LOCK = threading.Lock()
+
+
+def default_generator(device: torch.device) -> torch.Generator | None:
+    """The generator random operations on `device` use by default (None: another device)."""
+    if device.type == "cpu":
+        return torch.default_generator
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
+    return None
+
+
+class GeneratorState:
+    """A device's default generator as a module call found it: replays repeat its draws."""
+
+    __slots__ = ("device", "state", "dtype", "autocast", "output_versions")
+
+    def __init__(
+        self, device: torch.device, state: Tensor, dtype: torch.dtype, autocast: Any
+    ) -> None:
+        self.device = device
+        #: `Generator.get_state()` before the call
+        self.state = state
+        #: dtype of the call's first tensor input
+        self.dtype = dtype
+        #: the autocast dtype in effect for the device during the call (None: autocast off)
+        self.autocast = autocast
+        #: versions of the call's outputs when it returned (an in-place change shows)
+        self.output_versions: tuple[int, ...] = ()
+
+    def replay(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` with the generator in the saved state; afterwards it is as it was before."""
+        generator = default_generator(self.device)
+        if generator is None:  # pragma: no cover - only CPU and CUDA states are saved
+            raise RuntimeError(f"no default generator known for device {self.device}")
+        with _REPLAY_LOCK:
+            current = generator.get_state()
+            generator.set_state(self.state)
+            try:
+                return fn()
+            finally:
+                generator.set_state(current)
+
+
+def _random_test(module: nn.Module) -> Callable[[nn.Module], bool] | None:
+    for cls, test in RANDOM_CALLS.items():
+        if isinstance(module, cls):
+            return test
+    return None
+
+
+@torch.compiler.disable
+def _save_generator(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of `RANDOM_CALLS` modules: keep the generator state for the record."""
+    local = _LOCAL
+    if local.internal_depth or local.disabled_depth or not torch.is_grad_enabled():
+        return
+    test = _random_test(module)
+    if test is None or not test(module):
+        return
+    first = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
+    if first is None:
+        return
+    device = first.device
+    generator = default_generator(device)
+    if generator is None:
+        return
+    try:
+        state = generator.get_state()
+    except RuntimeError:  # pragma: no cover - e.g. while a CUDA graph is captured
+        return
+    kind = device.type
+    autocast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+    _PENDING_RNG[(_get_ident(), id(module))] = GeneratorState(device, state, first.dtype, autocast)
+
+
+def _attach_rng(record: Record, rng: GeneratorState, out_tensors: list[Tensor]) -> None:
+    rng.output_versions = tuple([t._version for t in out_tensors])
+    record.rng = rng
+
+
+class _Handles:
+    """Several hook handles removed as one (`remove_hooks`)."""
+
+    def __init__(self, *handles: Any) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
 @torch.compiler.disable
 def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
     """Record the call for the next backward (only when it can be differentiated).
@@ -669,6 +776,7 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
     local = _LOCAL
     if local.internal_depth or not torch.is_grad_enabled():
         return None
+    rng = _PENDING_RNG.pop((_get_ident(), id(module)), None) if _PENDING_RNG else None
     replacement = None
     single = isinstance(output, Tensor)
     if single:
@@ -676,7 +784,9 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
             return
         node = output.grad_fn
         if node is not None and not local.disabled_depth:
-            _record_single(module, args, kwargs, output, node)
+            record = _record_single(module, args, kwargs, output, node)
+            if rng is not None:
+                _attach_rng(record, rng, [output])
             return
         out_tensors = [output]
         out_requires_grad: tuple[bool, ...] = (True,)
@@ -697,6 +807,8 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
         record = Record(module, (), {}, (), None, disabled=True)
     else:
         record = _record_call(module, args, kwargs, output, out_tensors, out_requires_grad)
+        if rng is not None:
+            _attach_rng(record, rng, out_tensors)
     record.out_requires_grad = out_requires_grad
     _remember(module, record)
 
@@ -738,7 +850,7 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
 
 def _record_single(
     module: nn.Module, args: tuple, kwargs: dict, output: Tensor, node: Any
-) -> None:
+) -> Record:
     """Record a call whose output is one tensor produced by the autograd `node`.
 
     The common case of `_forward_hook`, `_record_call` and `_remember` in one pass over the
@@ -852,6 +964,7 @@ def _record_single(
             metadata[_META_KEY] = [(record, 0, nr)]
         else:
             entries.append((record, 0, nr))
+    return record
 
 
 def _record_call(
@@ -1090,6 +1203,9 @@ def hook_modules(module: nn.Module, debug: bool = False) -> nn.Module:
         if not _is_leaf_or_parametrized(sub):
             continue
         handle = sub.register_forward_hook(_forward_hook, with_kwargs=True)
+        if _random_test(sub) is not None:
+            pre = sub.register_forward_pre_hook(_save_generator, with_kwargs=True)
+            handle = _Handles(pre, handle)
         CTX.add_hook_handle(handle, sub)
         sub._backpack_extend = True
         if debug:

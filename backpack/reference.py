@@ -44,7 +44,7 @@ class Unchecked(Exception):
 
 def plain_copy(model: nn.Module) -> nn.Module:
     """A float64 CPU deep copy of `model` without backpack's recording hooks."""
-    from backpack.recording import _forward_hook
+    from backpack.recording import _forward_hook, _save_generator
 
     clone = copy.deepcopy(model)
     for module in clone.modules():
@@ -52,6 +52,9 @@ def plain_copy(model: nn.Module) -> nn.Module:
             del module._forward_hooks[key]
             module._forward_hooks_with_kwargs.pop(key, None)
             module._forward_hooks_always_called.pop(key, None)
+        for key in [k for k, h in module._forward_pre_hooks.items() if h is _save_generator]:
+            del module._forward_pre_hooks[key]
+            module._forward_pre_hooks_with_kwargs.pop(key, None)
         if "_backpack_extend" in module.__dict__:
             module._backpack_extend = False
     return clone.to(device="cpu", dtype=torch.float64)

@@ -1239,8 +1239,9 @@ def matrix_product(uses: list[tuple[Record, list[Entry]]], name: str) -> Callabl
     for record, entries in uses:
         rule = find_rule(record.module) or _GENERIC
         axes = rule.output_batch_axes(record)
+        module = rule.module_for_products(record)  # random draws (dropout) held fixed
         snapshots.append(
-            (record.module, record.args, record.kwargs, record.out_requires_grad, entries, axes)
+            (module, record.args, record.kwargs, record.out_requires_grad, entries, axes)
         )
     n_entries = len(uses[0][1]) if uses else 0
 

@@ -25,9 +25,12 @@ def test_one_source_of_the_version():
 
 
 def test_changelog_starts_with_the_current_version():
+    """The first version heading (after an optional "Unreleased" one) is the current version."""
     changelog = (ROOT / "CHANGELOG.md").read_text()
-    first = re.search(r"^## (\S+)", changelog, re.MULTILINE)
+    first = re.search(r"^## (?!Unreleased$)(\S+)$", changelog, re.MULTILINE)
     assert first and first.group(1) == backpack.__version__
+    headings = re.findall(r"^## (\S+)$", changelog, re.MULTILINE)
+    assert "Unreleased" not in headings[1:]  # only at the top
 
 
 def test_home_page_shows_the_version():

@@ -39,29 +39,52 @@ structure exists (the packed `in_proj_weight` and `in_proj_bias` of cross-attent
 `bias_v`, `in_proj_bias` with separate weights), the factor list holds one dense matrix, the
 exact block Σ_{v,n} (Jᵀf)(Jᵀf)ᵀ.
 
-Dropout in training mode is stochastic; its multipliers can be read off the recorded weights
-output when it holds each head's weights (`need_weights=True, average_attn_weights=False`), and
-the first-order extensions then use them. Otherwise, and for every second-order extension (the
-matrix products re-run the module, which would draw new masks), training-mode dropout raises
-`NotImplementedError`: call `model.eval()` or use `dropout=0`.
+Dropout in training mode: D is the mask the forward drew. The extended module's forward
+pre-hook keeps the state of the default generator of the input's device from just before the
+call (`Record.rng`; reading it draws nothing). Nothing else in the module's forward draws random
+numbers before its one dropout call, so repeating that call (`torch.dropout` on ones of the
+shape and dtype the forward dropped: `[N·H, L, S]` with the weights, `[N, H, L, S]` in SDPA's
+math kernel) from that state, with the generator restored afterwards, draws the same mask bit
+for bit. Every recovered mask is checked: y recomputed with it must match the recorded output,
+else the call is refused (a fused kernel that draws its own masks, `torch.compile`), never
+computed with another mask. Without a saved state, the mask is read off the per-head weights
+output (`need_weights=True, average_attn_weights=False`) where there is one. All quantities are
+those of the network with the drawn masks held fixed; the curvature matrix products re-run the
+call through `module_for_products`, which holds them fixed too.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from backpack.recording import OWNS_CHILD_PARAMETERS, Record, tensors_in
+from backpack.recording import (
+    OWNS_CHILD_PARAMETERS,
+    RANDOM_CALLS,
+    GeneratorState,
+    Record,
+    describe,
+    tensors_in,
+)
 from backpack.rules.base import GradOutputs, ModuleRule, Names, gram, register_rule
 
 OWNS_CHILD_PARAMETERS.add(nn.MultiheadAttention)
+
+
+def _draws_dropout(module: nn.Module) -> bool:
+    """Whether a call applies dropout to the attention weights (training mode, p > 0)."""
+    return module.training and module.dropout > 0
+
+
+RANDOM_CALLS[nn.MultiheadAttention] = _draws_dropout
 
 #: positional parameters of `MultiheadAttention.forward` after (query, key, value), with defaults
 _OPTIONS = (
@@ -74,6 +97,7 @@ _OPTIONS = (
 #: keys of the per-record caches in `Record.extra`
 _FORWARD = "mha_forward"
 _GRADS = "mha_grads"
+_MASKS = "mha_dropout"
 #: largest dense Kronecker factor side (numel of the parameter) formed for one parameter
 MAX_DENSE_NUMEL = 8192
 #: budget (elements) of the largest intermediate per chunk of factor columns
@@ -126,7 +150,7 @@ class _Call:
     mask: Tensor | None
     #: softmax with zeros for fully masked rows (the SDPA path, `need_weights=False`)
     safe: bool
-    #: dropout multipliers `[N, H, L, S]` recovered from the weights output, or None
+    #: dropout multipliers `[N, H, L, S]` the forward drew (0 or 1/(1-p)), or None
     dropout: Tensor | None
 
 
@@ -143,17 +167,25 @@ def _training_dropout(record: Record) -> bool:
     return record.training and record.module.dropout > 0
 
 
-def _refuse_dropout(record: Record, what: str) -> None:
+def _refuse_dropout(record: Record, what: str, advice: str = "") -> NoReturn:
     raise NotImplementedError(
-        f"MultiheadAttention applied dropout={record.module.dropout} to its attention weights "
-        f"in training mode, and {what}. Call model.eval() or use dropout=0 for exact numbers."
+        f"{describe(record.module)} applied dropout={record.module.dropout} to its attention "
+        f"weights in training mode, and {what}. {advice}Call model.eval() or use dropout=0 "
+        "to compute backpack quantities of this layer."
     )
 
 
 class _Forward:
     """Recomputed intermediates of one call (batch-first; heads `[N, H, T, d]`, contiguous)."""
 
-    def __init__(self, call: _Call, index: Tensor | None = None) -> None:
+    def __init__(
+        self, call: _Call, index: Tensor | None = None, params: nn.Module | None = None
+    ) -> None:
+        """Recompute the call (the samples `index` only, if given).
+
+        `params`: read the parameters from this module (same names, not detached) instead of
+        the detached parameters of the call's module (the matrix products' `_FixedMasks`).
+        """
         module = call.module
         xq, xk, xv = call.xq, call.xk, call.xv
         mask, drop = call.mask, call.dropout
@@ -175,19 +207,27 @@ class _Forward:
         self.keys = s0
         self.bias_kv = module.bias_k is not None
         self.zero_attn = bool(module.add_zero_attn)
-        b = None if module.in_proj_bias is None else module.in_proj_bias.detach().to(dtype)
+        source = module if params is None else params
+
+        def param(name: str) -> Tensor | None:
+            t = getattr(source, name)
+            if t is None:
+                return None
+            return (t.detach() if params is None else t).to(dtype)
+
+        b = param("in_proj_bias")
         if call.self_attention and module.in_proj_weight is not None and not self.bias_kv:
             # one GEMM and one copy into the head-major layout of q, k and v together
-            qkv = F.linear(xq, module.in_proj_weight.detach().to(dtype), b)
+            qkv = F.linear(xq, param("in_proj_weight"), b)
             qkv = qkv.reshape(n, length, 3, h, d).permute(2, 0, 3, 1, 4).contiguous()
             qh, kh, vh = qkv.unbind(0)
         else:
-            w_q, w_k, w_v = _projection_weights(module, dtype)
+            w_q, w_k, w_v = _projection_weights(module, param)
             b_q, b_k, b_v = (None, None, None) if b is None else b.chunk(3)
             q, k, v = F.linear(xq, w_q, b_q), F.linear(xk, w_k, b_k), F.linear(xv, w_v, b_v)
             if self.bias_kv:
-                k = torch.cat([k, module.bias_k.detach().to(dtype).expand(n, 1, e)], 1)
-                v = torch.cat([v, module.bias_v.detach().to(dtype).expand(n, 1, e)], 1)
+                k = torch.cat([k, param("bias_k").expand(n, 1, e)], 1)
+                v = torch.cat([v, param("bias_v").expand(n, 1, e)], 1)
             qh = q.reshape(n, length, h, d).transpose(1, 2).contiguous()
             kh = k.reshape(n, k.shape[1], h, d).transpose(1, 2).contiguous()
             vh = v.reshape(n, v.shape[1], h, d).transpose(1, 2).contiguous()
@@ -200,13 +240,24 @@ class _Forward:
             scores = scores.add_(mask)
         p = torch.softmax(scores, -1)
         if call.safe and mask is not None:
-            p = p.masked_fill_(torch.isneginf(scores).all(-1, keepdim=True), 0.0)
+            rows = torch.isneginf(scores).all(-1, keepdim=True)
+            # out of place where autograd differentiates it (softmax saves its output)
+            p = p.masked_fill_(rows, 0.0) if params is None else p.masked_fill(rows, 0.0)
         del scores
         self.p = p
         self.dropout = drop
         self.pd = p if drop is None else p * drop
         self.o = torch.matmul(self.pd, vh).transpose(1, 2).reshape(n, length, e)
-        self.w_out = module.out_proj.weight.detach().to(dtype)
+        out_proj = module.out_proj if params is None else params.out_proj
+        w_out, b_out = out_proj.weight, out_proj.bias
+        if params is None:
+            w_out, b_out = w_out.detach(), None if b_out is None else b_out.detach()
+        self.w_out = w_out.to(dtype)
+        self.b_out = None if b_out is None else b_out.to(dtype)
+
+    def output(self) -> Tensor:
+        """The attention output y = o W_oᵀ + b_o `[N, L, E]`."""
+        return F.linear(self.o, self.w_out, self.b_out)
 
     def backward(self, gy: Tensor | None, gw: Tensor | None) -> dict[str, Tensor]:
         """δq `[*, N, L, E]`, δk, δv `[*, N, S₀, E]` and δbias_k/v `[*, N, E]` (if any).
@@ -270,12 +321,10 @@ class _Forward:
         return result
 
 
-def _projection_weights(module: nn.Module, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+def _projection_weights(module: nn.Module, param: Any) -> tuple[Tensor, Tensor, Tensor]:
     if module.in_proj_weight is not None:
-        return module.in_proj_weight.detach().to(dtype).chunk(3)
-    return tuple(  # type: ignore[return-value]
-        getattr(module, f"{c}_proj_weight").detach().to(dtype) for c in "qkv"
-    )
+        return param("in_proj_weight").chunk(3)
+    return tuple(param(f"{c}_proj_weight") for c in "qkv")  # type: ignore[return-value]
 
 
 # --- Linear-like contractions over positions ------------------------------------------------
@@ -353,6 +402,166 @@ def _blocks_entries(blocks: Blocks, index: Tensor) -> Tensor:
     return result
 
 
+# --- dropout masks ---------------------------------------------------------------------------
+
+
+def _replayed_dropout(
+    rng: GeneratorState, shape: tuple[int, ...], dtype: torch.dtype, p: float
+) -> Tensor:
+    """The multipliers `torch.dropout` draws for `shape` from the saved generator state."""
+    ones = torch.ones(shape, dtype=dtype, device=rng.device)
+    return rng.replay(lambda: torch.dropout(ones, p, True))
+
+
+def _mem_efficient_masks(rng: GeneratorState, shape: tuple[int, ...], p: float) -> Tensor | None:
+    """The masks CUDA's memory-efficient SDPA kernel draws from the saved Philox state.
+
+    The kernel takes its seed and offset from the default CUDA generator (the saved state holds
+    both, 8 bytes each) and draws one uniform number per attention weight, kept where > p. Like
+    every candidate, the result is checked against the recorded output before use.
+    """
+    fill = getattr(torch.ops.aten, "_fill_mem_eff_dropout_mask_", None)
+    state = rng.state.cpu()
+    if fill is None or state.numel() != 16 or p >= 1:
+        return None
+    seed, offset = struct.unpack("<qq", bytes(state.tolist()))
+    try:
+        uniform = fill(torch.empty(shape, dtype=torch.float32, device=rng.device), p, seed, offset)
+    except (RuntimeError, NotImplementedError):  # pragma: no cover - kernel not built
+        return None
+    return (uniform > p).to(torch.float32) / (1.0 - p)
+
+
+#: largest deviation (relative to the largest output entry) of the recomputed output from the
+#: recorded one that still counts as the same masks, per dtype of the forward (wrong masks
+#: change a sizeable share of the entries by about their own size)
+_SAME_MASKS_RTOL = {torch.float64: 1e-7, torch.float32: 5e-3}
+_SAME_MASKS_RTOL_DEFAULT = 5e-2
+
+
+def _reproduces(record: Record, fwd: _Forward) -> bool:
+    """Whether the output recomputed with the recovered masks is the recorded output."""
+    recorded = record.outputs[0]
+    rng = record.rng
+    if rng is not None and rng.output_versions and recorded._version != rng.output_versions[0]:
+        return True  # changed in place after the call: nothing left to compare with
+    y = fwd.output()
+    if record.module.batch_first or recorded.dim() == 2:
+        expected = recorded.reshape(y.shape)
+    else:
+        expected = recorded.transpose(0, 1)
+    finite = torch.isfinite(expected)  # fully masked rows of the weights path are NaN
+    expected = expected.to(y.dtype)
+    deviation = torch.where(finite, y - expected, 0.0).abs().max()
+    scale = torch.where(finite, expected, 0.0).abs().max()
+    dtype = rng.dtype if rng is not None and rng.autocast is None else None
+    rtol = _SAME_MASKS_RTOL.get(dtype, _SAME_MASKS_RTOL_DEFAULT)
+    return bool(deviation <= rtol * scale)
+
+
+def _recover_masks(record: Record, recompute: Callable[[], _Forward]) -> _Forward:
+    """Find the dropout multipliers the forward drew; `recompute()` made with them.
+
+    Each candidate (see `_mask_candidates`) is checked against the recorded output; the
+    first that reproduces it is kept in `record.extra`.
+    """
+    tried = False
+    for masks, check in _mask_candidates(record):
+        tried = True
+        record.extra[_MASKS] = masks
+        fwd = recompute()
+        if not check or _reproduces(record, fwd):
+            return fwd
+        del record.extra[_MASKS]
+    if not tried:
+        _refuse_dropout(
+            record,
+            "its random masks cannot be recovered: no state of the random generator was "
+            "saved for the call (inputs on a device other than CPU or CUDA, or a forward "
+            "outside extend's hooks), and only the weights output with need_weights=True, "
+            "average_attn_weights=False shows them",
+        )
+    _refuse_dropout(
+        record,
+        "the masks replayed from the random generator's state do not reproduce the call's "
+        "output, so they are not the ones the forward drew (a fused attention kernel drew "
+        "its own, as CUDA's flash and cuDNN attention do with need_weights=False, or the "
+        "forward ran under torch.compile)",
+        "Run the forward under torch.nn.attention.sdpa_kernel(SDPBackend.MATH), or the "
+        "attention with need_weights=True, average_attn_weights=False. Or: ",
+    )
+
+
+def _mask_candidates(record: Record) -> Iterator[tuple[Tensor, bool]]:
+    """Multipliers D `[N, H, L, S]` (0 or 1/(1-p)) the forward may have drawn, in turn.
+
+    (D, whether to check it against the output). From the saved generator state: the
+    forward's dropout call repeated (CUDA also: another dtype its math kernel may drop in,
+    and the memory-efficient SDPA kernel's own masks). Then, with a per-head weights
+    output: D read off P ⊙ D, exact by construction (where P is 0, D does not matter).
+    """
+    bound = _bind(record)
+    module = record.module
+    query, key = bound["query"], bound["key"]
+    unbatched = query.dim() == 2
+    axis = 0 if unbatched or not module.batch_first else 1
+    n = 1 if unbatched else query.shape[1 - axis]
+    length, h = query.shape[axis], module.num_heads
+    s = key.shape[axis] + int(module.bias_k is not None) + int(module.add_zero_attn)
+    need_weights = bool(bound["need_weights"])
+    p = float(module.dropout)
+    rng = record.rng
+    if rng is not None:
+        # MultiheadAttention drops [N·H, L, S] weights; SDPA's math kernel [N, H, L, S]
+        shape = (n * h, length, s) if need_weights else (n, h, length, s)
+        dtypes = [rng.dtype]
+        if rng.device.type == "cuda":  # CPU masks do not depend on the dtype
+            dtypes = list(dict.fromkeys([rng.dtype, torch.float32]))
+        for dtype in dtypes:
+            yield _replayed_dropout(rng, shape, dtype, p).reshape(n, h, length, s), True
+        if rng.device.type == "cuda" and not need_weights:
+            masks = _mem_efficient_masks(rng, (n, h, length, s), p)
+            if masks is not None:
+                yield masks, True
+    if need_weights and not bound["average_attn_weights"]:
+        weights = list(tensors_in(record.output_structure))[1]
+        if unbatched:
+            weights = weights.unsqueeze(0)
+        keep = 0.0 if p >= 1 else 1.0 / (1.0 - p)
+        yield (weights != 0).to(weights.dtype) * keep, False
+
+
+class _FixedMasks(nn.Module):
+    """A recorded MultiheadAttention call with its dropout masks held fixed.
+
+    Holds the module's parameters under their names (`out_proj.weight` in a child module), so
+    `torch.func.functional_call` can substitute them; its forward ignores its arguments and
+    returns the recorded call's outputs, in the module's layout, computed from them.
+    """
+
+    def __init__(self, module: nn.Module, call: _Call) -> None:
+        super().__init__()
+        self.__dict__["_call"] = call
+        self.__dict__["_backpack_path"] = module.__dict__.get("_backpack_path")
+        for name, value in module._parameters.items():
+            self.register_parameter(name, value)
+        self.out_proj = nn.Module()
+        for name, value in module.out_proj._parameters.items():
+            self.out_proj.register_parameter(name, value)
+        self.batch_first = module.batch_first
+
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:  # noqa: D102
+        call = self._call
+        fwd = _Forward(call, params=self)
+        y = fwd.output()
+        weights = None
+        if call.need_weights:
+            weights = fwd.pd.mean(1) if call.average else fwd.pd
+        if call.unbatched:
+            return y.squeeze(0), None if weights is None else weights.squeeze(0)
+        return (y if self.batch_first else y.transpose(0, 1)), weights
+
+
 @register_rule(nn.MultiheadAttention)
 class MultiheadAttentionRule(ModuleRule):
     """Every parameter of `nn.MultiheadAttention`, all options of its forward.
@@ -360,8 +569,8 @@ class MultiheadAttentionRule(ModuleRule):
     Batched (`[N, L, E]` or `[L, N, E]`) and unbatched (`[L, E]`, one sample) inputs, packed or
     separate projection weights, `add_bias_kv`, `add_zero_attn`, boolean and float masks (2-D,
     3-D `[N·H, L, S]`, key padding), `is_causal`, `need_weights` and `average_attn_weights`
-    either way. Training-mode dropout only where its masks can be recovered (see the module
-    docstring).
+    either way. Training-mode dropout with the masks the forward drew held fixed (see the
+    module docstring).
     """
 
     # --- layout ------------------------------------------------------------------------------
@@ -377,8 +586,6 @@ class MultiheadAttentionRule(ModuleRule):
                 "Curvature matrix products need batched MultiheadAttention inputs; got an "
                 "unbatched [L, E] call."
             )
-        if _training_dropout(record):
-            _refuse_dropout(record, "curvature matrix products re-run the module")
         axes = [self.batch_axis(record.module), 0]
         return axes[: len(record.outputs)]
 
@@ -427,7 +634,11 @@ class MultiheadAttentionRule(ModuleRule):
                 mask = kpm if mask is None else mask + kpm
         dropout = None
         if _training_dropout(record):
-            dropout = self._dropout_multipliers(record, need_weights, average, unbatched)
+            dropout = record.extra.get(_MASKS)
+            if dropout is None:  # recovered (and checked) by `_forward`
+                self._forward(record)
+                dropout = record.extra[_MASKS]
+            dropout = dropout.to(dtype)
         return _Call(
             module,
             query,
@@ -442,29 +653,21 @@ class MultiheadAttentionRule(ModuleRule):
             dropout,
         )
 
-    @staticmethod
-    def _dropout_multipliers(
-        record: Record, need_weights: bool, average: bool, unbatched: bool
-    ) -> Tensor:
-        """D from the recorded per-head weights P ⊙ D: 1/(1-p) where kept, 0 where dropped."""
-        if not need_weights or average:
-            _refuse_dropout(
-                record,
-                "its random masks cannot be recovered (they can only from the weights output "
-                "with need_weights=True, average_attn_weights=False)",
-            )
-        weights = list(tensors_in(record.output_structure))[1]
-        if unbatched:
-            weights = weights.unsqueeze(0)
-        p = record.module.dropout
-        keep = 0.0 if p >= 1 else 1.0 / (1.0 - p)
-        return (weights != 0).to(weights.dtype) * keep
-
     def _forward(self, record: Record) -> _Forward:
         fwd = record.extra.get(_FORWARD)
         if fwd is None:
-            fwd = record.extra[_FORWARD] = _Forward(self._call(record))
+            if _training_dropout(record) and _MASKS not in record.extra:
+                fwd = _recover_masks(record, lambda: _Forward(self._call(record)))
+            else:
+                fwd = _Forward(self._call(record))
+            record.extra[_FORWARD] = fwd
         return fwd
+
+    def module_for_products(self, record: Record) -> nn.Module:
+        """With training-mode dropout: the call with its drawn masks held fixed."""
+        if not _training_dropout(record):
+            return record.module
+        return _FixedMasks(record.module, self._call(record))
 
     # --- output gradients --------------------------------------------------------------------
     def _output_grads(
@@ -649,8 +852,6 @@ class MultiheadAttentionRule(ModuleRule):
         broadcast over the samples; the returned scale 1/N turns sums over samples into the
         batch average.
         """
-        if _training_dropout(record):
-            _refuse_dropout(record, "curvature needs the same masks for every factor column")
         fy, fw = self._output_grads(record, factors, 1)
         n = self.batch_size(record)
         scale = 1.0

@@ -44,6 +44,15 @@ class ModuleRule:
         """Sample axis of each recorded output (used by the curvature matrix products)."""
         return [0] * len(record.outputs)
 
+    def module_for_products(self, record: Record) -> nn.Module:
+        """The module the curvature matrix products re-run (through `torch.func`) for a call.
+
+        The recorded module itself, unless re-running it would not compute the recorded call:
+        a call that drew random numbers (dropout) gets a module with those draws held fixed,
+        with the same parameters under the same names.
+        """
+        return record.module
+
     def batch_size(self, record: Record) -> int:
         """Number of samples in the recorded call."""
         return record.args[0].shape[self.batch_axis(record.module)]

@@ -172,12 +172,14 @@ def _padding(n, s, seed=4, kind="bool"):
 class EncoderModel(nn.Module):
     """in Linear -> TransformerEncoderLayer (causal mask, padding) -> head."""
 
-    def __init__(self, d=8, heads=2, classes=3, batch_first=True, norm_first=False, ce=True):
+    def __init__(
+        self, d=8, heads=2, classes=3, batch_first=True, norm_first=False, ce=True, dropout=0.0
+    ):
         super().__init__()
         self.inp = nn.Linear(5, d)
         self.layer = randomise(
             nn.TransformerEncoderLayer(
-                d, heads, 12, dropout=0.0, batch_first=batch_first, norm_first=norm_first
+                d, heads, 12, dropout=dropout, batch_first=batch_first, norm_first=norm_first
             ),
             0.5,
         )
@@ -200,13 +202,15 @@ class EncoderModel(nn.Module):
 class DecoderModel(nn.Module):
     """TransformerDecoderLayer on tgt = Linear(x) with memory = Linear(reversed x[:, :2])."""
 
-    def __init__(self, d=8, heads=2, classes=3, batch_first=True, norm_first=False, ce=True):
+    def __init__(
+        self, d=8, heads=2, classes=3, batch_first=True, norm_first=False, ce=True, dropout=0.0
+    ):
         super().__init__()
         self.tgt = nn.Linear(5, d)
         self.mem = nn.Linear(5, d)
         self.layer = randomise(
             nn.TransformerDecoderLayer(
-                d, heads, 12, dropout=0.0, batch_first=batch_first, norm_first=norm_first
+                d, heads, 12, dropout=dropout, batch_first=batch_first, norm_first=norm_first
             ),
             0.5,
         )
@@ -228,11 +232,11 @@ class DecoderModel(nn.Module):
 class TinyTransformer(nn.Module):
     """A one-layer encoder-decoder `nn.Transformer` (d_model 4) on src = tgt = Linear(x)."""
 
-    def __init__(self, d=4, classes=3, ce=True):
+    def __init__(self, d=4, classes=3, ce=True, dropout=0.0):
         super().__init__()
         self.inp = nn.Linear(5, d)
         self.model = randomise(
-            nn.Transformer(d, 2, 1, 1, dim_feedforward=6, dropout=0.0, batch_first=True),
+            nn.Transformer(d, 2, 1, 1, dim_feedforward=6, dropout=dropout, batch_first=True),
             0.5,
         )
         self.head = nn.Linear(d, classes)

@@ -4,10 +4,11 @@ Here: the recomputation against the module's own outputs for every option, the f
 (Gram forms and materialised) against brute-force per-sample gradients with and without the
 per-call store, subsampling, probe entries, square roots and diagonals of factor columns (also in
 chunks), Kronecker factors against their definitions and dense blocks against the exact GGN,
-KFRA through attention, unbatched calls, frozen parameters, training-mode dropout (recovered or
-refused), the exact-Hessian refusal, no torch.func fallback, and the parts of the table's
-strict-xfail problems that do work (attention parameters of sequence-first layers; the GGN
-family without GGNMP, and GGNMP with the math SDPA kernel the engine should select).
+KFRA through attention, unbatched calls, frozen parameters, training-mode dropout (one case;
+tests/extensions/test_attention_dropout.py has the rest), the exact-Hessian refusal, no
+torch.func fallback, and the parts of the table's strict-xfail problems that do work
+(attention parameters of sequence-first layers; the GGN family without GGNMP, and GGNMP with
+the math SDPA kernel the engine should select).
 """
 
 import contextlib
@@ -589,8 +590,8 @@ class _DropoutAttention(nn.Module):
         return self.head(self.attn(h, h, h, **self.call)[0]).transpose(1, 2)
 
 
-def test_dropout_masks_recovered_from_per_head_weights():
-    """need_weights=True, average_attn_weights=False: exact per-sample gradients in training."""
+def test_dropout_masks_recovered_in_training():
+    """Exact per-sample gradients of the forward's own masks (held by its autograd graph)."""
     torch.manual_seed(0)
     model = _DropoutAttention(average_attn_weights=False).to(DTYPE).train()
     x, y = torch.randn(4, 5, 5, dtype=DTYPE), torch.randint(0, 3, (4, 5))
@@ -608,26 +609,6 @@ def test_dropout_masks_recovered_from_per_head_weights():
         expected = torch.stack([r[k] for r in rows])
         torch.testing.assert_close(p.grad_batch, expected, msg=name)
         torch.testing.assert_close(p.batch_l2, expected.flatten(1).square().sum(1), msg=name)
-
-
-@pytest.mark.parametrize(
-    "call", [{}, {"need_weights": False}], ids=["averaged-weights", "no-weights"]
-)
-def test_dropout_without_recoverable_masks_is_refused(call):
-    model = extend(_DropoutAttention(**call).train())
-    lossfunc = nn.CrossEntropyLoss()
-    x, y = torch.randn(4, 5, 5), torch.randint(0, 3, (4, 5))
-    with pytest.raises(NotImplementedError, match="dropout=0.5"), backpack(BatchGrad()):
-        lossfunc(model(x), y).backward()
-
-
-@pytest.mark.parametrize("ext", [DiagGGNExact, GGNMP, KFLR])
-def test_dropout_refused_for_second_order(ext):
-    model = extend(_DropoutAttention(average_attn_weights=False).train())
-    lossfunc = extend(nn.CrossEntropyLoss())
-    x, y = torch.randn(4, 5, 5), torch.randint(0, 3, (4, 5))
-    with pytest.raises(NotImplementedError, match="dropout"), backpack(ext()):
-        lossfunc(model(x), y).backward()
 
 
 # --- other cases ---------------------------------------------------------------------------------
