@@ -53,6 +53,7 @@ SMALL = {
         "--steps",
         "2",
     ],
+    "example_lora_gpt2": ["--batch-size", "3", "--context", "6", "--dim", "16", "--layers", "1"],
     "example_gpt_curvature": [
         "--batch-size",
         "4",
