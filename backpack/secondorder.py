@@ -1,4 +1,4 @@
-"""Second-order part of the engine: loss-Hessian factors propagated by autograd.
+"""The curvature propagation pass: loss-Hessian factors propagated by autograd.
 
 When the gradient reaches an extended loss, the loss rule factorises the loss Hessian w.r.t. the
 model output (S, `[V, N, *out]`). One batched vector-Jacobian product

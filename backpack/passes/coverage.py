@@ -76,7 +76,7 @@ class _Coverage:
         self.scale = scale
         self.label = f"{name} of {describe(module)}"
         self.handle: Any = None
-        #: whether this pass checks the parameter (see `Engine._cover`)
+        #: whether this pass checks the parameter (see `cover`)
         self.active = True
         #: whether a contribution came from a 16-bit (autocast) call
         self.low_precision = False
