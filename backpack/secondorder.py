@@ -32,6 +32,7 @@ from backpack.recording import (
     get_param,
     is_parametrized,
     nearest_records,
+    promote_half,
     records_at,
     trainable_params,
     walk_nodes,
@@ -107,6 +108,7 @@ _CURVATURE_FREE_NODES = {
     "AliasBackward0",
     "ExpandAsBackward0",
     "RepeatBackward0",
+    "ToCopyBackward0",  # dtype and device casts (`logits.float()` before the loss)
 }
 #: products and quotients are linear when only one operand depends on the parameters
 _LINEAR_IF_ONE_OPERAND = {"MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1"}
@@ -465,8 +467,9 @@ def _store_factors(state: BackwardState, columns: _LossColumns, convolutional: b
                 front = len(shape) > 0 and shape[0] == 1
                 expanded = (n, *shape[1:]) if front else (n, *shape)
                 result = per_sample.reshape(per_sample.shape[0], *expanded)
-        if result is not None and result.dtype != factors[0].dtype:
-            result = result.to(factors[0].dtype)  # 16-bit outputs (mixed precision)
+        # in the module's dtype (a loss may run in another, e.g. on `logits.float()`), float32
+        # for 16-bit outputs (mixed precision)
+        result = promote_half(result)
         per_key = target.extra.setdefault("factors", {})
         parts = [None] * len(sizes) if result is None else result.split(sizes)
         for key, part in zip(keys, parts):
@@ -564,7 +567,7 @@ def _reduce_columns(state: BackwardState, columns: _LossColumns) -> None:
                 for t, ((target, index, _), grad) in enumerate(zip(found, grads)):
                     if grad is None:
                         continue
-                    grad = grad.to(factor.dtype)  # 16-bit outputs (mixed precision)
+                    grad = promote_half(grad)  # as in `_store_factors`
                     if chunk[t] == 1:
                         reduce(target, index, key, grad.unsqueeze(0))
                         continue
