@@ -132,6 +132,7 @@ class Record:
         "shape_only",
         "input_producer",
         "rng",
+        "out_versions",
         "__weakref__",
     )
 
@@ -147,7 +148,7 @@ class Record:
         versions = tuple([a._version if isinstance(a, Tensor) else None for a in args])
         self._setup(
             module, args, kwargs, outputs, output_structure, disabled, versions, (), False, False,
-            None, (),
+            None, (), tuple([o._version for o in outputs]),
         )
 
     def _setup(
@@ -164,6 +165,7 @@ class Record:
         shape_only: bool,
         input_producer: Record | None,
         out_requires_grad: tuple[bool, ...],
+        out_versions: tuple[int, ...],
     ) -> None:
         # Every slot is set here. The forward hook calls this on `Record.__new__(Record)` with
         # what it already knows: calling the class (with keywords) cost as much as all of this.
@@ -174,6 +176,8 @@ class Record:
         self.output_structure = output_structure
         #: versions of the tensor inputs at the call (None for other inputs)
         self.versions = versions
+        #: versions of the recorded outputs at the call (`outputs_modified`)
+        self.out_versions = out_versions
         self.training = module.training
         #: for each tensor of the output structure (depth first): does it require grad?
         self.out_requires_grad = out_requires_grad
@@ -230,8 +234,12 @@ class Record:
         return self.args[0] if self.args else None
 
     def output_values(self) -> Any:
-        """The output with its values (recomputed from the inputs for shape-only records)."""
-        if not self.shape_only or self.freed:
+        """The output with its values.
+
+        Recomputed from the inputs for shape-only records, and where an in-place operation after
+        the call changed them.
+        """
+        if self.freed or not (self.shape_only or self.outputs_modified()):
             return self.output_structure
         with torch.no_grad(), CTX.internal():
             return self.module(*self.args, **self.kwargs)
@@ -267,6 +275,13 @@ class Record:
             for arg, version in zip(self.args, self.versions)
         )
 
+    def outputs_modified(self) -> bool:
+        """Whether an output was modified in place after the call (`nn.ReLU(inplace=True)`).
+
+        The recorded outputs then hold the modified values; rules reading them must recompute.
+        """
+        return any(o._version != v for o, v in zip(self.outputs, self.out_versions))
+
     def promote_half(self) -> bool:
         """Use float32 copies of 16-bit floating tensors (mixed precision); True if any.
 
@@ -279,6 +294,7 @@ class Record:
         if not any(_is_half(t) for t in (*self.args, *self.outputs)):
             return False
         stale = self.modified()
+        outputs_stale = self.outputs_modified()
         self.args = tuple(promote_half(a) for a in self.args)
         self.kwargs = {k: promote_half(v) for k, v in self.kwargs.items()}
         if self.shape_only:
@@ -291,6 +307,7 @@ class Record:
         self.versions = tuple(
             (-1 if stale else a._version) if isinstance(a, Tensor) else None for a in self.args
         )
+        self.out_versions = tuple(-1 if outputs_stale else o._version for o in self.outputs)
         return True
 
     def copy(self, **changes: Any) -> Record:
@@ -313,6 +330,7 @@ class Record:
 
         Views share their bases' version counters: the original versions still apply.
         """
+        stale = self.outputs_modified()
         return self.copy(
             args=args,
             kwargs=kwargs,
@@ -320,6 +338,7 @@ class Record:
             output_structure=output_structure,
             extra=extra,
             origin=self.origin or self,
+            out_versions=tuple(-1 if stale else o._version for o in outputs),
         )
 
     def check_unmodified(self, extension_name: str) -> None:
@@ -765,6 +784,35 @@ class _Handles:
             handle.remove()
 
 
+#: module classes whose outputs, where they are views, are views of a tensor computed in the
+#: call that no autograd node saves (`F.linear` on `[N, T, in]` with a bias views its `addmm`
+#: result): `_unaliased` drops the view relation without a copy. Exact classes only: a subclass
+#: may override the forward.
+PRIVATE_VIEW_OUTPUTS: set[type] = {nn.Linear, nn.MultiheadAttention}
+
+
+def _unaliased(module: nn.Module, args: tuple, kwargs: dict, out: Tensor) -> Tensor | None:
+    """The output `out` of a parametrized call as a tensor that is no view (None: keep `out`).
+
+    An in-place operation on a view (`nn.ReLU(inplace=True)` after `F.linear` on a 3-D input
+    with a bias) rebases the view's history on its base: the gradient then bypasses the node
+    that produced the view, where the record's hook waits, and the call would get nothing.
+    Views of a tensor computed inside the call are replaced: without a copy for the classes of
+    `PRIVATE_VIEW_OUTPUTS`, else by a copy (the base may be saved by a node of the call, whose
+    check for in-place changes must keep working). Views of inputs, parameters or buffers are
+    kept: the user may rely on writing through them.
+    """
+    base = out._base
+    if base is None or base.grad_fn is None or not _owned_parameters(module):
+        return None
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor) and (a is base or a._base is base):
+            return None
+    if type(module) in PRIVATE_VIEW_OUTPUTS:
+        return torch.ops.aten._unsafe_view(out, out.shape)
+    return out.clone()
+
+
 @torch.compiler.disable
 def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
     """Record the call for the next backward (only when it can be differentiated).
@@ -782,12 +830,16 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
     if single:
         if not output.requires_grad:
             return
+        if output._base is not None and not local.disabled_depth:
+            replacement = _unaliased(module, args, kwargs, output)
+            if replacement is not None:
+                output = replacement
         node = output.grad_fn
         if node is not None and not local.disabled_depth:
             record = _record_single(module, args, kwargs, output, node)
             if rng is not None:
                 _attach_rng(record, rng, [output])
-            return
+            return replacement
         out_tensors = [output]
         out_requires_grad: tuple[bool, ...] = (True,)
     else:
@@ -797,6 +849,15 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
         if True not in out_requires_grad:
             return
         out_tensors = [t for t, needed in zip(all_out, out_requires_grad) if needed]
+        if not local.disabled_depth and any(t._base is not None for t in out_tensors):
+            unaliased = {id(t): _unaliased(module, args, kwargs, t) for t in out_tensors}
+            if any(u is not None for u in unaliased.values()):
+                replacement = output = map_tensors(
+                    output, lambda t: t if unaliased.get(id(t)) is None else unaliased[id(t)]
+                )
+                all_out = []
+                _collect_tensors(output, all_out)
+                out_tensors = [t for t, needed in zip(all_out, out_requires_grad) if needed]
         if len(out_tensors) > 1 and _outputs_nested(out_tensors, args):
             replacement = output = _independent_outputs(output, out_tensors)
             all_out = []
@@ -915,6 +976,7 @@ def _record_single(
         shape_only,
         producer,
         (True,),
+        (structure._version,),
     )
     own = module._parameters
     identity = inplace and not own and _META_KEY in node.metadata
@@ -1036,6 +1098,7 @@ def _record_call(
         shape_only,
         producer,
         out_requires_grad,
+        tuple([o._version for o in outs]),
     )
     if inplace and not module._parameters and len(out_tensors) == 1:
         # the output is the input itself: an identity (its node is the producer's, which

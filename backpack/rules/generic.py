@@ -244,9 +244,19 @@ class FuncRule(ModuleRule):
                 alone = calls.over_samples(
                     lambda a, k, _: calls.call(a, k, params), [torch.empty(calls.count, 0)]
                 )
+                recorded = record.output_structure
+                if record.outputs_modified():
+                    # an in-place operation after the call (`nn.ReLU(inplace=True)`) changed the
+                    # recorded output: the batch's output is computed again
+                    recorded = functional_call(
+                        record.module,
+                        {**calls.buffers, **params},
+                        record.args,
+                        record.kwargs,
+                    )
         except Exception:  # noqa: BLE001 - cannot run per sample at all: the rules will say so
             return True
-        independent = _same_outputs(alone, list(tensors_in(record.output_structure)))
+        independent = _same_outputs(alone, list(tensors_in(recorded)))
         record.extra[_SAMPLES_INDEPENDENT] = independent
         return independent
 

@@ -49,6 +49,7 @@ class Attention(nn.Module):
     first ones of the reversed sequence), so query and key differ; with kdim/vdim they have
     their own widths. `use_weights`: the attention weights (per head or averaged) are
     concatenated to the output before the head, so their gradient path is exercised.
+    `residual_inplace`: the input projection is added in place to the attention output.
     """
 
     def __init__(
@@ -64,6 +65,7 @@ class Attention(nn.Module):
         use_weights=False,
         masks=None,
         call=None,
+        residual_inplace=False,
         **mha,
     ):
         super().__init__()
@@ -80,6 +82,7 @@ class Attention(nn.Module):
         for name, mask in (masks or {}).items():
             self.register_buffer(name, mask)
         self.use_weights = use_weights
+        self.residual_inplace = residual_inplace
         extra = 0
         if use_weights:
             s = (
@@ -93,7 +96,7 @@ class Attention(nn.Module):
         self.ce = ce
 
     def forward(self, x):
-        q = self.inp(x)
+        q = residual = self.inp(x)
         if self.cross:
             src = x.flip(1)[:, : self.keys]
             k = self.key_in(src)
@@ -110,6 +113,8 @@ class Attention(nn.Module):
         y, w = self.attn(q, k, v, **kwargs)
         if not self.batch_first:
             y = y.transpose(0, 1)
+        if self.residual_inplace:
+            y += residual  # in place on the attention's output (a view)
         if self.use_weights:
             if w.dim() == 4:  # [N, H, L, S] -> [N, L, H·S]
                 w = w.permute(0, 2, 1, 3).flatten(2)
@@ -363,6 +368,13 @@ PROBLEMS = [
     # --- MultiheadAttention options ------------------------------------------------------------
     attention_problem("mha-self-ce-mean", "ce-mean"),
     attention_problem("mha-self-seq-first-mse-sum", "mse-sum", batch_first=False),
+    attention_problem("mha-residual-inplace-ce-sum", "ce-sum", residual_inplace=True),
+    attention_problem(
+        "mha-residual-inplace-seq-first-mse-mean",
+        "mse-mean",
+        batch_first=False,
+        residual_inplace=True,
+    ),
     attention_problem(
         "mha-bias-kv-zero-attn-ce-sum", "ce-sum", heads=3, add_bias_kv=True, add_zero_attn=True
     ),

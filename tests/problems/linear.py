@@ -49,6 +49,14 @@ class InplaceResidual(nn.Module):
         return self.head(torch.nn.functional.relu_(r))
 
 
+def seq_inplace_relu():
+    """Linear on `[N, T, D]` with a bias (`F.linear` returns a view of its product) whose output
+    goes straight into an in-place ReLU (an in-place op on a view reroutes autograd)."""
+    return nn.Sequential(
+        nn.Linear(1, 6), nn.Linear(6, 6), nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(18, 4)
+    )
+
+
 def mlp():
     return nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 4), nn.Sigmoid(), nn.Linear(4, 3))
 
@@ -87,6 +95,14 @@ PROBLEMS = [
         "linear-seq-input-wide",
         lambda: nn.Sequential(nn.Linear(3, 40), nn.Tanh(), nn.Flatten(), nn.Linear(80, 2)),
         randn(4, 2, 3),
+        lambda: nn.MSELoss(reduction="sum"),
+        tags={"first", "second", "hessian", "kron"},
+        options={"bias_block_is_G": False},
+    ),
+    Problem(
+        "linear-seq-input-inplace-relu",
+        seq_inplace_relu,
+        randn(4, 3, 1),
         lambda: nn.MSELoss(reduction="sum"),
         tags={"first", "second", "hessian", "kron"},
         options={"bias_block_is_G": False},

@@ -97,6 +97,17 @@ class RNNWithInitialStateKwarg(nn.Module):
         return self.head(out[-1] + h_n[0])
 
 
+def seq_lstm_inplace():
+    """LSTM (batch_first: its output is a transposed view) -> in-place ReLU -> Linear."""
+    return nn.Sequential(
+        nn.LSTM(3, 4, batch_first=True),
+        ReduceTuple(0),
+        nn.ReLU(inplace=True),
+        nn.Flatten(),
+        nn.Linear(4 * 4, 3),
+    )
+
+
 def seq_gru():
     """GRU (batch_first) -> sequence output -> flatten -> Linear."""
     return nn.Sequential(
@@ -179,6 +190,10 @@ PROBLEMS = [
     Problem(
         "lstm-seq-mse-mean", seq_lstm, randn(3, 4, 3), lambda: nn.MSELoss(),
         tags={"first", "second"},
+    ),
+    Problem(
+        "lstm-seq-inplace-relu-mse-sum", seq_lstm_inplace, randn(3, 4, 3),
+        lambda: nn.MSELoss(reduction="sum"), tags={"first", "second"},
     ),
     Problem(
         "lstm-timemajor-2layer-bidir-nobias-mse-sum", DeepBidirectionalLSTM, randn(3, 4, 3),

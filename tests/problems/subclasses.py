@@ -8,6 +8,7 @@ the torch.func fallback, so first-order quantities and the GGN family only (tags
 "second"); the Kronecker and Hessian extensions refuse it (`tests/rules/test_base.py`).
 """
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -46,6 +47,18 @@ class ScaledWeightLinear(nn.Linear):
 
     def forward(self, x):
         return F.linear(x, 3.0 * self.weight, self.bias)
+
+
+class Affine(nn.Module):
+    """A module with parameters and no rule (torch.func fallback): x W + b."""
+
+    def __init__(self, features, out):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(features, out) / features**0.5)
+        self.b = nn.Parameter(torch.randn(out) / 2)
+
+    def forward(self, x):
+        return x @ self.w + self.b
 
 
 class SoftReLU(nn.ReLU):
@@ -99,6 +112,23 @@ PROBLEMS = [
         lambda: nn.Sequential(ScaledWeightLinear(4, 5), nn.Sigmoid(), nn.Linear(5, 3)),
         randn(5, 4),
         lambda: nn.MSELoss(),
+        tags=FALLBACK,
+    ),
+    Problem(
+        # the in-place ReLU overwrites the output the fallback's independence check reads
+        "fallback-custom-module-inplace-relu",
+        lambda: nn.Sequential(Affine(4, 5), nn.ReLU(inplace=True), nn.Linear(5, 3)),
+        randn(5, 4),
+        tags=FALLBACK,
+    ),
+    Problem(
+        # F.linear on `[N, T, D]` returns a view, which the in-place ReLU rebases
+        "fallback-linear-view-inplace-relu",
+        lambda: nn.Sequential(
+            ScaledWeightLinear(3, 4), nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(8, 3)
+        ),
+        randn(5, 2, 3),
+        lambda: nn.MSELoss(reduction="sum"),
         tags=FALLBACK,
     ),
     Problem(
