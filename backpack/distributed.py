@@ -12,15 +12,18 @@ same loss reduction:
   ρ_r = ν_r / N to the power with which it depends on R: 1 for gradients, curvature and
   Kronecker output factors, 2 for squared gradients, 1/2 for square-root factors. `sum`: ρ = 1.
 - quantities that sum over samples (`sum_grad_squared`, diagonals, Kronecker factors) are
-  all-reduced; `variance` is assembled from every rank's Σg², Σg and sample count; Kronecker
-  input factors (means over samples) are weighted by the ranks' sample counts.
+  all-reduced; `variance` is assembled from every rank's centred sum of squares
+  Σ(g − ḡ_r)², Σg and sample count, plus the spread of the ranks' means around the global one
+  (a second all-reduce, see `PassSync._between_ranks`); Kronecker input factors (means over
+  samples) are weighted by the ranks' sample counts.
 - per-sample quantities stay local (this rank's rows), scaled as rows of the global batch.
 - matrix products (`ggnmp`, `hmp`, `pchmp`) become `GlobalProduct`s: calling one is a
   collective (every rank must call it, with the same matrix).
 
 Communication goes through torch.distributed only, on a process group of backpack's own
 (created once per process, collectively, when the first synchronising context is entered) so
-that its collectives never interleave with DDP's. Per backward pass there is one all-reduce: a
+that its collectives never interleave with DDP's. Per backward pass there is one all-reduce
+(two with `Variance`): a
 small header (every rank's error flag, a signature of what it reduces, its loss normaliser) in
 front of a flat buffer per device and dtype holding every summed quantity at the scale of
 `reduction="sum"`, divided by the global normaliser afterwards. The buffer has the shape the
@@ -416,7 +419,7 @@ class PassSync:
         self.params: dict[int, list[Any]] = {}
         #: loss position -> normaliser (None: reduction="sum")
         self.losses: dict[int, float | None] = {}
-        #: (id(param), field) -> (Σ g², Σ g, number of samples) of a local variance
+        #: (id(param), field) -> (Σ (g − ḡ)², Σ g, number of samples) of a local variance
         self.variances: dict[tuple[int, str], tuple[Tensor, Tensor, int]] = {}
 
     def _begin(self, state: BackwardState) -> None:
@@ -446,9 +449,9 @@ class PassSync:
             else:
                 entry[2] = n  # calls on the same samples
 
-    def stash_variance(self, param: Tensor, field: str, sgs: Tensor, gsum: Tensor, n: int) -> None:
-        """The local sums behind a variance (before scaling): Σ g², Σ g, sample count."""
-        self.variances[(id(param), field)] = (sgs, gsum, n)
+    def stash_variance(self, param: Tensor, field: str, m2: Tensor, gsum: Tensor, n: int) -> None:
+        """The local sums behind a variance (before scaling): Σ (g − ḡ)², Σ g, sample count."""
+        self.variances[(id(param), field)] = (m2, gsum, n)
 
     def abort_pass(self, state: BackwardState) -> None:
         """This rank's pass failed: tell the other ranks (once), so that they raise too."""
@@ -559,8 +562,8 @@ class PassSync:
                     spans: Any = bucket.add(value, scale)
                     signature.append((field, tuple(value.shape), str(value.dtype)))
                 elif kind == "variance":
-                    sgs, gsum, n = self.variances.get((id(p), field), (None, None, count))
-                    if sgs is None:
+                    m2, gsum, n = self.variances.get((id(p), field), (None, None, count))
+                    if m2 is None:
                         if count:
                             raise RuntimeError(
                                 f"backpack cannot make the variance of a parameter of shape "
@@ -568,10 +571,10 @@ class PassSync:
                                 "(computed by a custom module extension?). Use "
                                 "backpack(..., sync=False)."
                             )
-                        sgs = gsum = torch.zeros_like(value)
+                        m2 = gsum = torch.zeros_like(value)
                     bucket = plan.bucket_of(value)
                     spans = (
-                        bucket.add(sgs.detach(), scale),
+                        bucket.add(m2.detach(), scale),
                         bucket.add(gsum.detach(), nu),
                         plan.scalar(n),
                     )
@@ -607,6 +610,8 @@ class PassSync:
         if plan.check is not None:
             self._check_ratios(plan.losses, scalars[plan.check :])
         rho = plan.nu / total if total else 0.0
+        if self.world > 1:
+            self._between_ranks(plan, scalars)
         with torch.no_grad():
             for p, field, kind, value, bucket, spans, power in plan.jobs:
                 if kind in ("sum", "variance", "kron"):
@@ -620,6 +625,36 @@ class PassSync:
                 if id(value) not in scaled:
                     scaled[id(value)] = _scale_rows(value, rho**power)
                 setattr(p, field, scaled[id(value)])
+
+    def _between_ranks(self, plan: _Plan, scalars: list[float]) -> None:
+        """Add the ranks' spread Σ_r n_r (μ_r − μ)² to each variance's reduced Σ_r M2_r.
+
+        The centred sums M2_r of the ranks add up to the global one only once each rank's mean
+        μ_r is moved to the global mean μ, which the first all-reduce has just made known: a
+        second all-reduce of n_r (μ_r − μ)² (in the sums' scale of `reduction="sum"`), whose
+        terms are nonnegative, where Σ_r ν² Σg_r² − (Σg)²/N would cancel.
+        """
+        jobs = [job for job in plan.jobs if job[2] == "variance"]
+        if not jobs:
+            return
+        spread = _Plan()
+        places = []
+        with torch.no_grad():
+            for p, field, _, value, bucket, (m2_span, sum_span, count), _ in jobs:
+                samples = scalars[count]
+                _, gsum, n = self.variances.get((id(p), field), (None, None, 0))
+                grand = bucket.view(sum_span, value.shape)
+                if gsum is None or not n or not samples:
+                    local = torch.zeros_like(grand)
+                else:
+                    mine = gsum.detach().to(grand.dtype) * (plan.nu / n)
+                    local = mine.sub_(grand / samples).square_().mul_(n)
+                target = spread.bucket_of(local)
+                places.append((bucket, m2_span, value.shape, target, target.add(local, 1.0)))
+            flats = spread.fill(0)
+            _communicate("all-reduce the spread of the ranks' variances", flats, self.group)
+            for bucket, m2_span, shape, target, span in places:
+                bucket.view(m2_span, shape).add_(target.view(span, shape))
 
     def _check_ratios(self, losses: list[float | None], slots: list[float]) -> None:
         """Refuse several losses whose local-to-global reduction ratios differ on some rank."""
@@ -661,17 +696,15 @@ class PassSync:
             if divide != 1.0:
                 result.div_(divide)
             return _as(result, value)
-        if kind == "variance":
-            sq_span, sum_span, count = spans
+        if kind == "variance":  # Σ_r M2_r plus the ranks' spread (`_between_ranks`)
+            m2_span, _, count = spans
             samples = scalars[count]
-            sq = bucket.view(sq_span, value.shape)
-            grad_sum = bucket.view(sum_span, value.shape)
+            m2 = bucket.view(m2_span, value.shape)
             if samples:
-                mean_sq, mean = 1.0 / (divide * samples), 1.0 / ((total or 1.0) * samples)
-                sq.mul_(mean_sq).addcmul_(grad_sum, grad_sum, value=-(mean**2)).clamp_min_(0)
+                m2.div_(divide * samples)
             else:
-                sq.zero_()
-            return _as(sq, value)
+                m2.zero_()
+            return _as(m2, value)
         factor_spans, count = spans  # "kron": [G (a sum), A... (means over samples)]
         samples = scalars[count]
         first = bucket.view(factor_spans[0], value[0].shape)

@@ -29,6 +29,7 @@ FLOORS = {
     "backpack.recording": 1,
     # 2 rules: per-layer math
     "backpack.rules": 2,
+    "backpack.variance": 2,
     # 3 graph analysis
     "backpack.samples": 3,
     "backpack.functional_calls": 3,

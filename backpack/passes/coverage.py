@@ -24,15 +24,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from backpack.passes.state import BackwardState
 
 
-def variance_from_sums(
-    sum_squares: Tensor, total: Tensor, n: int, overwrite: bool = False
-) -> Tensor:
-    """Σ g²/N - (Σ g/N)², clipped at 0 against rounding.
-
-    Computed in place: of `sum_squares` itself if `overwrite`, else of one new tensor.
-    """
-    variance = sum_squares.div_(n) if overwrite else sum_squares / n
-    return variance.addcmul_(total, total, value=-1.0 / n**2).clamp_min_(0)
 
 
 _PROBES: dict[tuple[Any, ...], Tensor] = {}
@@ -80,8 +71,8 @@ class _Coverage:
         self.active = True
         #: whether a contribution came from a 16-bit (autocast) call
         self.low_precision = False
-        #: variances waiting for the call's gradient sum: (savefield, Σ g², N, fallback)
-        self.pending: list[tuple[str, Tensor, int, Callable[[], Tensor], bool]] = []
+        #: variances waiting for the call's gradient sum: (savefield, variance from the sum)
+        self.pending: list[tuple[str, Callable[[Tensor | None], Tensor]]] = []
 
     def add(self, part: Tensor) -> None:
         self.total = part if self.total is None else self.total + part
@@ -93,12 +84,11 @@ class _Coverage:
         self.finish(grad.detach() if covered and not self.low_precision else None)
 
     def finish(self, grad_sum: Tensor | None) -> None:
-        """Store pending variances, from `grad_sum` or (if None) from their fallback."""
+        """Store pending variances, from `grad_sum` or (if None) the rule's own sum."""
         pending, self.pending = self.pending, []
         with torch.no_grad():
-            for field, sgs, n, fallback, private in pending:
-                total = fallback() if grad_sum is None else grad_sum
-                setattr(self.param, field, variance_from_sums(sgs, total, n, private))
+            for field, variance in pending:
+                setattr(self.param, field, variance(grad_sum))
 
     def check(self, grad: Tensor, fields: list[str]) -> bool:
         """Warn (and return False) if `grad` has more than the extended calls' contributions."""

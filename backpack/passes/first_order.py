@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from backpack.extensions.backprop_extension import FAIL_ERROR, FAIL_SILENT, BackpropExtension
 from backpack.extensions.firstorder.base import FirstOrderBackpropExtension
-from backpack.passes.coverage import cover, variance_from_sums
+from backpack.passes.coverage import cover
 from backpack.passes.state import (
     BackwardState,
     mixing_message,
@@ -29,6 +29,7 @@ from backpack.recording import Record, describe, is_parametrized, trainable_para
 from backpack.rules import find_rule
 from backpack.rules.base import ModuleRule, overridden_base
 from backpack.rules.generic import FuncRule
+from backpack.variance import centred_squares
 
 _WARNED_GENERIC: set[type] = set()
 
@@ -88,6 +89,10 @@ class _Quantities:
         return {k: v.flatten(1).square().sum(1) for k, v in self.psg().items()}
 
     def _sum_grad_squared(self, _: Any) -> dict[str, Tensor]:
+        m2, sums = self._cache.get("centred_squares"), self._cache.get("grad_sum")
+        if m2 is not None and sums is not None:
+            # computed for a variance already: Σg² = M2 + (Σg)²/N adds nonnegative terms
+            return {k: sums[k].square().div_(self.n).add_(m2[k]) for k in m2}
         fused = self._fused("sum_grad_squared")
         if fused is not None:
             return fused
@@ -117,6 +122,19 @@ class _Quantities:
         self._cache["grad_sum"], self._cache["sum_grad_squared"] = fused
         return True
 
+    def fuse_centred(self) -> bool:
+        """Compute `grad_sum` and `centred_squares` in one fused pass if the rule can."""
+        if "centred_squares" in self._cache:
+            return True
+        if self.rule is None or self._psg is not None:
+            return False
+        fused = self.rule.grad_sum_and_centred_squares(self.record, self.grads, self.names)
+        if fused is None:
+            return False
+        self._cache.setdefault("grad_sum", fused[0])
+        self._cache["centred_squares"] = fused[1]
+        return True
+
     def fuse_gradient(self, wanted: set[str]) -> None:
         """Let the quantities in `wanted` bring this call's gradient along where the rule can.
 
@@ -125,7 +143,9 @@ class _Quantities:
         """
         if self.rule is None or self._psg is not None or "grad_batch" in wanted:
             return  # the per-sample gradients are summed
-        if wanted & {"sum_grad_squared", "variance"} and self.fuse_sums():
+        if "variance" in wanted and self.fuse_centred():
+            return
+        if "sum_grad_squared" in wanted and self.fuse_sums():
             return
         if "batch_l2" in wanted:
             fused = self.rule.batch_l2_and_sum(self.record, self.grads, self.names)
@@ -138,9 +158,18 @@ class _Quantities:
             return {k: v.sum(0) for k, v in self._psg.items()}
         return self.get("grad_sum")
 
+    def _centred_squares(self, _: Any) -> dict[str, Tensor]:
+        """Σ_n (g_n − ḡ)² (see `backpack.variance`): the rule's, else from per-sample gradients."""
+        if self.fuse_centred():
+            return self._cache["centred_squares"]
+        sums, squares = {}, {}
+        for k, v in self.psg().items():
+            sums[k], squares[k] = centred_squares(v)
+        self._cache.setdefault("grad_sum", sums)
+        return squares
+
     def _variance(self, _: Any) -> dict[str, Tensor]:
-        sgs, gsum = self.get("sum_grad_squared"), self.get("grad_sum")
-        return {k: variance_from_sums(sgs[k], gsum[k], self.n) for k in sgs}
+        return {k: v / self.n for k, v in self.get("centred_squares").items()}
 
 
 #: `Variance` computes a gradient sum itself below this many (sample, entry) products: the
@@ -153,7 +182,7 @@ def variance_waits_for_grad(param: Tensor, samples: int) -> bool:
     """Whether `Variance` takes a call's gradient sum from the parameter's own gradient.
 
     Autograd computes that sum anyway, so waiting for the parameter's hook saves the rule a GEMM
-    or convolution weight backward, but costs a coverage check on every pass (the sum must hold
+    (`ModuleRule.uses_grad_sums`), but costs a coverage check on every pass (the sum must hold
     only extended calls' contributions). That pays on the CPU for large products (`samples`
     times the parameter's size); on GPUs the check's small kernels and host syncs cost more
     than the GEMM (measured on an H100), so there the rule computes it.
@@ -161,9 +190,12 @@ def variance_waits_for_grad(param: Tensor, samples: int) -> bool:
     return param.device.type == "cpu" and samples * param.numel() >= VARIANCE_WAIT_MIN_WORK
 
 
-def _grad_sum_of(quantities: _Quantities, name: str) -> Tensor:
-    """One call's gradient w.r.t. parameter `name` (fused rule, else summed per-sample ones)."""
-    return quantities.get("grad_sum")[name]
+def _variance_given_sum(quantities: _Quantities, name: str, grad_sum: Tensor | None) -> Tensor:
+    """A waiting variance of parameter `name`, with autograd's gradient sum (None: the rule's)."""
+    given = None if grad_sum is None else {name: grad_sum}
+    rule, record, grads = quantities.rule, quantities.record, quantities.grads
+    _, squares = rule.grad_sum_and_centred_squares(record, grads, [name], given)
+    return squares[name].div_(quantities.n)
 
 
 def _store_empty_first_order(
@@ -309,9 +341,18 @@ def _first_order_direct(
     if derived:
         quantities.fuse_gradient({e.quantity for e in builtin})
     variances = [e for e in builtin if e.quantity == "variance"]
-    # the rule's own gradient sum (from the chunks it squares anyway) spares the variance
-    # waiting for autograd's, and that wait's coverage check on every pass
-    own_sums = bool(variances) and quantities.fuse_sums()
+    # per-sample gradients that `BatchGrad` stores anyway are centred directly
+    stored = any(e.quantity == "grad_batch" and e.get_subsampling() is None for e in builtin)
+    # one decision per call: the rule computes the sums of all its parameters at once;
+    # waiting for autograd's gradient sum spares a product where the rule says so
+    wait = bool(variances) and state.sync is None and rule.uses_grad_sums(record)
+    wait = wait and not stored
+    wait = wait and any(variance_waits_for_grad(params[name], n) for name in direct)
+    if variances and not wait:
+        if stored:
+            quantities.psg()
+        # before the other quantities: `sum_grad_squared` follows from these sums
+        quantities.get("centred_squares")
     for ext in builtin:
         if ext.quantity == "variance":
             continue
@@ -334,34 +375,28 @@ def _first_order_direct(
         gradient = quantities.gradient()
         for name in derived:
             add_derived(state, params[name], gradient[name])
-    sgs = quantities.get("sum_grad_squared") if variances else {}
-    # nobody else stores these sums: the variance may be computed in their place
-    private = len(variances) == 1 and all(e.quantity != "sum_grad_squared" for e in builtin)
-    private = private and state.sync is None  # distributed: the sums are reduced later
-    # one decision per call: the rule computes the sums of all its parameters at once
-    wait = bool(variances) and not own_sums and state.sync is None  # distributed: reduced later
-    wait = wait and any(variance_waits_for_grad(params[name], n) for name in direct)
     if wait:
-        # the fallback below may run after the record is freed
+        # the rule runs again at the parameter's hook, possibly after the record is freed:
         # a private copy survives `record.free()` and is never counted
         quantities.record = record.copy(extra={})
     psg = quantities._psg
     # not waiting: the sums now, while the rule's per-call caches are still there
     sums = quantities.get("grad_sum") if variances and not wait else {}
+    squares = quantities.get("centred_squares") if variances and not wait else {}
     for name in direct:
         part = None if psg is None else psg[name]
         if part is None and name in sums:
             part = sums[name].unsqueeze(0)  # the probes read it like one sample's gradient
         coverage = cover(state, record, grads, rule, name, params[name], part, wait)
         for ext in variances:
-            fallback = partial(_grad_sum_of, quantities, name)
             if wait:
-                coverage.pending.append((ext.savefield, sgs[name], n, fallback, private))
+                variance_of = partial(_variance_given_sum, quantities, name)
+                coverage.pending.append((ext.savefield, variance_of))
                 continue
-            variance = variance_from_sums(sgs[name], fallback(), n, private)
-            setattr(params[name], ext.savefield, variance)
+            setattr(params[name], ext.savefield, squares[name] / n)
             if state.sync is not None:  # distributed: the local sums of the global variance
-                state.sync.stash_variance(params[name], ext.savefield, sgs[name], fallback(), n)
+                local = (squares[name], sums[name], n)
+                state.sync.stash_variance(params[name], ext.savefield, *local)
 
 
 def add_derived(state: BackwardState, param: Tensor, gradient: Tensor) -> None:
@@ -386,7 +421,7 @@ def finalize_accumulator(state: BackwardState, acc: _Accumulator) -> None:
         value = quantities.get(ext.quantity, ext.get_subsampling())["p"]
         setattr(acc.param, ext.savefield, value)
         if ext.quantity == "variance" and state.sync is not None:  # distributed: local sums
-            sums = quantities.get("sum_grad_squared")["p"], quantities.get("grad_sum")["p"]
+            sums = quantities.get("centred_squares")["p"], quantities.get("grad_sum")["p"]
             state.sync.stash_variance(acc.param, ext.savefield, *sums, psg.shape[0])
 
 

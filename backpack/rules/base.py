@@ -89,6 +89,25 @@ class ModuleRule:
         """
         return None
 
+    def grad_sum_and_centred_squares(
+        self,
+        record: Record,
+        grad_outputs: GradOutputs,
+        names: Names,
+        grad_sums: dict[str, Tensor] | None = None,
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor]] | None:
+        """(Σ_n g_n, Σ_n (g_n − ḡ)²) without the cancellation of Σg² − (Σg)²/N, or None.
+
+        For `Variance` (see `backpack.variance`). None: the engine centres the materialised
+        per-sample gradients. `grad_sums` may hold this call's gradient sums (autograd's
+        gradient) for rules that would otherwise compute them (`uses_grad_sums`).
+        """
+        return None
+
+    def uses_grad_sums(self, record: Record) -> bool:
+        """Whether `grad_sum_and_centred_squares` saves work when given the gradient sums."""
+        return False
+
     def batch_l2_and_sum(
         self, record: Record, grad_outputs: GradOutputs, names: Names
     ) -> tuple[dict[str, Tensor], dict[str, Tensor]] | None:

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from backpack.core.derivatives import convnd
 from backpack.recording import SHAPE_ONLY_OUTPUTS, Record
 from backpack.rules.base import GradOutputs, ModuleRule, Names, gram, register_rule
+from backpack.variance import Chunks, centred_squares
 
 #: elements a chunk of samples may occupy in one intermediate (Gram matrices, gradients)
 _CHUNK_BUDGET = 1 << 24
@@ -224,6 +225,31 @@ class ConvRule(ModuleRule):
         if "bias" in names:
             per_sample = convnd.per_sample_bias_grads(f[0])
             sums["bias"], squares["bias"] = per_sample.sum(0), per_sample.square().sum(0)
+        return sums, squares
+
+    def grad_sum_and_centred_squares(
+        self,
+        record: Record,
+        grad_outputs: GradOutputs,
+        names: Names,
+        grad_sums: dict[str, Tensor] | None = None,
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """(Σ_n g_n, Σ_n (g_n − ḡ)²) from the chunks of `grad_sum_and_squares`.
+
+        Each chunk is centred on its own mean (in place) and merged by Chan's update
+        (`backpack.variance.Chunks`): no cancellation, no second pass over the samples.
+        """
+        module = record.module
+        x, f = _input_and_factor(record, (grad_outputs[0].unsqueeze(0),))
+        sums, squares = {}, {}
+        if "weight" in names:
+            running = Chunks()
+            for _, _, pairs in _pair_grads(module, x, f):
+                running.add(pairs, lead=2, overwrite=True)
+            sums["weight"], squares["weight"] = running.result(module.weight.shape, f)
+        if "bias" in names:
+            per_sample = convnd.per_sample_bias_grads(f[0])
+            sums["bias"], squares["bias"] = centred_squares(per_sample, overwrite=True)
         return sums, squares
 
     def batch_dot(self, record: Record, grad_outputs: GradOutputs, names: Names) -> dict | None:

@@ -133,6 +133,33 @@ class EmbeddingRule(ModuleRule):
         flat = dense.reshape(n, -1)
         return {"weight": flat @ flat.T}
 
+    def grad_sum_and_centred_squares(
+        self,
+        record: Record,
+        grad_outputs: GradOutputs,
+        names: Names,
+        grad_sums: dict[str, Tensor] | None = None,
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """(Σ_n g_n, Σ_n (g_n − ḡ)²) from the distinct (sample, row) pairs, without `[N, V, D]`.
+
+        Row r of the mean is m_r = Σ_n g_nr / N; a sample using the row contributes
+        (g_nr − m_r)², each of the N − c_r samples not using it m_r².
+        """
+        if "weight" not in names:
+            return {}, {}
+        idx, g = _rows(record, grad_outputs)
+        n, v = idx.shape[0], record.module.num_embeddings
+        _, row, pair_sums = _pair_sums(idx, g, v)
+        total = g.new_zeros(v, g.shape[-1])
+        total.index_add_(0, row, pair_sums)
+        mean = total / max(n, 1)
+        m2 = g.new_zeros(v, g.shape[-1])
+        m2.index_add_(0, row, pair_sums.sub_(mean[row]).square_())
+        users = torch.zeros(v, dtype=g.dtype, device=g.device)
+        users.index_add_(0, row, torch.ones_like(row, dtype=g.dtype))
+        m2.addcmul_((n - users).unsqueeze(1), mean.square())
+        return {"weight": total}, {"weight": m2}
+
     def grad_sum(self, record: Record, grad_outputs: GradOutputs, names: Names) -> dict:
         """`[V, D]` gradient of this call, one scatter-add over all positions."""
         if "weight" not in names:

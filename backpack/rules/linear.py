@@ -9,6 +9,7 @@ the cheaper one is used.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -16,6 +17,7 @@ from torch import Tensor, nn
 
 from backpack.recording import SHAPE_ONLY_OUTPUTS, Record
 from backpack.rules.base import GradOutputs, ModuleRule, Names, gram, register_rule
+from backpack.variance import centred_squares, outer_centred_squares
 
 
 def _flat_input(record: Record) -> Tensor:
@@ -136,6 +138,37 @@ class LinearRule(ModuleRule):
             per_sample_bias = g.sum(1)
             sums["bias"], squares["bias"] = per_sample_bias.sum(0), per_sample_bias.square().sum(0)
         return sums, squares
+
+    def grad_sum_and_centred_squares(
+        self,
+        record: Record,
+        grad_outputs: GradOutputs,
+        names: Names,
+        grad_sums: dict[str, Tensor] | None = None,
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """(Σ_n g_n, Σ_n (g_n − ḡ)²) for `Variance`.
+
+        2-D inputs: the weight's by `backpack.variance.outer_centred_squares` (one matrix
+        product, plus dᵀx unless `grad_sums` has the weight's gradient, where nothing cancels);
+        sequence inputs: from the per-sample gradients, centred in place.
+        """
+        x, g = _flat(record, grad_outputs)
+        sums, squares = {}, {}
+        if "weight" in names:
+            if x.shape[1] == 1:
+                given = None if grad_sums is None else grad_sums.get("weight")
+                total, m2 = outer_centred_squares(g[:, 0], x[:, 0], given)
+                sums["weight"], squares["weight"] = total, m2
+            else:
+                per_sample = torch.einsum("nto,nti->noi", g, x)
+                sums["weight"], squares["weight"] = centred_squares(per_sample, overwrite=True)
+        if "bias" in names:
+            sums["bias"], squares["bias"] = centred_squares(g.sum(1), overwrite=True)
+        return sums, squares
+
+    def uses_grad_sums(self, record: Record) -> bool:
+        """For 2-D inputs autograd's gradient spares the weight's product dᵀx."""
+        return record.args[0].dim() == 2 or math.prod(record.args[0].shape[1:-1]) == 1
 
     def grad_sum(self, record: Record, grad_outputs: GradOutputs, names: Names) -> dict | None:
         """This call's contribution to the gradient."""
