@@ -102,7 +102,7 @@ def _run(name, dtype, spread, *extensions):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_float64_against_brute_force(name, wait, monkeypatch):
     if wait:  # Variance takes the gradient sum from autograd wherever the rule can use it
-        import backpack.engine as engine_module
+        import backpack.passes.first_order as engine_module
 
         monkeypatch.setattr(engine_module, "VARIANCE_WAIT_MIN_WORK", 0)
     model, x, lossfunc, y = _run(name, torch.float64, 1e-5, Variance(), SumGradSquared())
