@@ -255,21 +255,6 @@ QUANTITIES = [
 ]
 FIRST_ORDER = QUANTITIES[:6]
 
-T5_RELATIVE_BIAS = (
-    "issue 21: T5's relative_attention_bias Embedding runs on [T, T] bucket ids without a "
-    "sample axis; backpack takes its 5 rows for samples (lm_head has 4) and raises RuntimeError"
-)
-BF16_BROADCAST = (
-    "issue 21: bf16: the check on wpe's output broadcast over samples (per-sample rows must sum "
-    "to its grad, rtol=1e-4) fails on bf16 rounding: RuntimeError 'holds no sample axis and is "
-    "broadcast over the samples, but also used elsewhere'; before it, Conv1D's torch.func "
-    "fallback fails ('mat1 and mat2 must have the same dtype'): UserWarning, nothing stored"
-)
-BF16_FALLBACK = (
-    "issue 21: bf16: the GGN pass calls Conv1D's torch.func fallback with a float32 factor and "
-    "bf16 weights: RuntimeError 'mat1 and mat2 must have the same dtype'"
-)
-
 #: Llama's RMSNorm (and rotary embedding) compute in float32 whatever the model's dtype: GGN
 #: diagonals built from loss-Hessian factors and references built from Jacobian rows round
 #: differently there (measured up to 6e-8; 3e-16 with a float64 RMSNorm)
@@ -294,7 +279,6 @@ ZOO: list[Entry] = [
         lambda: Logits(t5(), _encoder_decoder),
         token_ids(N, 2, SEQ),
         token_loss=True,
-        xfail=dict.fromkeys(QUANTITIES, T5_RELATIVE_BIAS),
     ),
     Entry(
         "gpt2-lora",
@@ -323,11 +307,6 @@ GPT2_BF16 = Entry(
     token_ids(N, SEQ),
     token_loss=True,
     dtype=torch.bfloat16,
-    xfail={
-        **dict.fromkeys(FIRST_ORDER, BF16_BROADCAST),
-        "diag_ggn_exact": BF16_FALLBACK,
-        "diag_ggn_exact_batch": BF16_FALLBACK,
-    },
 )
 
 
