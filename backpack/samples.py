@@ -97,8 +97,11 @@ _RESHAPE_NODES = {
     "ToCopyBackward0",
 }
 
-#: shape-only nodes that also move axes: a chain through them is mapped back by autograd
+#: nodes a broadcast output may pass on its way to the additions: linear in it, no sample
+#: mixing; the chain through them is mapped back by autograd (`where` masks the T5 decoder's
+#: position bias and may bring in the sample axis itself, with a padding mask)
 _AXIS_NODES = {
+    "WhereBackward0",
     "PermuteBackward0",
     "TransposeBackward0",
     "TBackward0",
@@ -108,29 +111,50 @@ _AXIS_NODES = {
 }
 
 
-class BroadcastSite:
-    """Where a call whose output holds no sample axis is broadcast over the samples.
+#: entries of the columns one batched backward through a broadcast chain takes at once
+_CHAIN_CHUNK_ELEMENTS = 2**24
 
-    A position embedding `nn.Embedding(T, D)(torch.arange(T))` is added to `[N, T, D]` token
-    embeddings: autograd sums the `[N, T, D]` gradient over the samples before it reaches the
-    embedding. A pre-hook on the broadcasting addition keeps the gradient of each sample.
-    """
+
+class _Addition:
+    """One addition that broadcasts a sample-free call's output over the samples."""
 
     def __init__(
-        self, node: Any, scale: float, operand: GradientEdge | None = None, start: Any = None
+        self,
+        node: Any,
+        scale: float,
+        operand: GradientEdge | None = None,
+        start: Any = None,
+        out_shape: torch.Size | None = None,
     ) -> None:
         self.node = node
         #: factor between the addition's output gradient and this operand's (alpha, -1 for -)
         self.scale = scale
-        #: the addition's input edge of this operand, and the call's output node, when the
-        #: chain between them moves axes (then autograd maps gradients back along it)
+        #: the addition's input edge of this operand, the call's output node and its shape,
+        #: when the chain between them moves axes (then autograd maps gradients back along it)
         self.operand = operand
         self.start = start
+        self.out_shape = out_shape
+        #: the gradient at the addition's output; through a chain, already the per-sample
+        #: gradients at the call's output (mapped while the chain's saved tensors exist)
         self.captured: Tensor | None = None
         self.handle = node.register_prehook(self._capture)
 
     def _capture(self, grads: tuple) -> None:
-        self.captured = grads[0]
+        if self.operand is None or grads[0] is None:
+            self.captured = grads[0]
+        else:
+            self.captured = self._per_sample_through_chain(grads[0], self.out_shape, 0)
+
+    def captured_share(self, out_shape: torch.Size) -> Tensor | None:
+        """`[N, *out_shape]` from the captured gradient (None if it cannot be split)."""
+        if self.captured is None or self.operand is not None:
+            return self.captured
+        return self.per_sample(self.captured, out_shape)
+
+    def close(self) -> None:
+        """Remove the pre-hook and forget the captured gradient."""
+        self.handle.remove()
+        self.captured = None
 
     @property
     def edge(self) -> GradientEdge:
@@ -171,59 +195,134 @@ class BroadcastSite:
         operand_shape = tuple(node._input_metadata[nr].shape)
         p_shape = grad.shape[lead:]
         padded = (1,) * (len(p_shape) - len(operand_shape)) + operand_shape
-        if len(padded) != len(p_shape) or padded[0] != 1 or p_shape[0] <= 1:
+        n = p_shape[0]
+        if len(padded) != len(p_shape) or padded[0] not in (1, n) or n <= 1:
             return None
         if any(a != b and a != 1 for a, b in zip(padded, p_shape)):
             return None
         dims = [lead + i for i, (a, b) in enumerate(zip(padded, p_shape)) if i and a == 1 != b]
         reduced = grad.sum(dims, keepdim=True) if dims else grad
-        n = p_shape[0]
-        columns = reduced.reshape(-1, *operand_shape)  # [lead · N, *operand]
         if self.scale != 1:
-            columns = columns * self.scale
+            reduced = reduced * self.scale
+        reduced = reduced.reshape(-1, *padded)  # [lead, N or 1 ... ] -> rows of columns
+        if padded[0] == 1:
+            columns = reduced.reshape(-1, *operand_shape)  # [lead · N, *operand]
+        else:
+            # the operand carries the sample axis already (a mask brought it in): column n
+            # keeps sample n's row of the operand's gradient, zero elsewhere
+            rows = reduced.reshape(-1, n, *padded[1:])
+            eye = torch.eye(n, dtype=rows.dtype, device=rows.device)
+            eye = eye.reshape(1, n, n, *([1] * (len(padded) - 1)))
+            columns = (rows.unsqueeze(1) * eye).reshape(-1, *operand_shape)
+        parts = []
+        chunk = max(1, _CHAIN_CHUNK_ELEMENTS // max(1, columns[0].numel()))
         with CTX.propagation(), torch.enable_grad():
-            (result,) = torch.autograd.grad(
-                [self.operand],
-                [GradientEdge(self.start, 0)],
-                [columns],
-                retain_graph=True,
-                is_grads_batched=True,
-            )
-        if result is None or tuple(result.shape[1:]) != tuple(out_shape):
-            return None
-        return result.reshape(*grad.shape[:lead], n, *out_shape)
+            for block in columns.split(chunk):
+                (result,) = torch.autograd.grad(
+                    [self.operand],
+                    [GradientEdge(self.start, 0)],
+                    [block],
+                    retain_graph=True,
+                    is_grads_batched=True,
+                )
+                if result is None or tuple(result.shape[1:]) != tuple(out_shape):
+                    return None
+                parts.append(result)
+        return torch.cat(parts).reshape(*grad.shape[:lead], n, *out_shape)
+
+
+class BroadcastSite:
+    """Where a call whose output holds no sample axis is broadcast over the samples.
+
+    A position embedding `nn.Embedding(T, D)(torch.arange(T))` is added to `[N, T, D]` token
+    embeddings: autograd sums the `[N, T, D]` gradient over the samples before it reaches the
+    embedding. A pre-hook on each broadcasting addition keeps the gradient of each sample. The
+    output may reach several additions (T5 adds its relative position bias in every layer),
+    through views and permutes; the per-sample gradient sums their contributions.
+    """
+
+    def __init__(self, parts: list[_Addition]) -> None:
+        self.parts = parts
+
+    @property
+    def captured(self) -> bool:
+        """Whether every addition's gradient was captured in the running backward."""
+        return all(part.captured is not None for part in self.parts)
+
+    def captured_per_sample(self, out_shape: torch.Size) -> Tensor | None:
+        """`[N, *out_shape]` per-sample gradients at the call's output from the captured ones."""
+        total = None
+        for part in self.parts:
+            share = part.captured_share(out_shape)
+            if share is None or (total is not None and share.shape != total.shape):
+                return None
+            total = share if total is None else total + share
+        return total
+
+    @property
+    def edges(self) -> list[GradientEdge]:
+        """The additions' output edges (targets for curvature factors)."""
+        return [part.edge for part in self.parts]
+
+    def per_sample(
+        self, grads: list[Tensor], out_shape: torch.Size, lead: int = 0
+    ) -> Tensor | None:
+        """`[*lead, N, *out_shape]`: the sum of every addition's per-sample share, or None."""
+        total = None
+        for part, grad in zip(self.parts, grads):
+            if grad is None:
+                continue
+            share = part.per_sample(grad, out_shape, lead)
+            if share is None or (total is not None and share.shape != total.shape):
+                return None
+            total = share if total is None else total + share
+        return total
+
+    def close(self) -> None:
+        """Remove the pre-hooks (end of the pass)."""
+        for part in self.parts:
+            part.close()
 
 
 def _broadcast_site(
     record: Record, node: Any, parents: dict[int, list[tuple[Any, int]]]
 ) -> BroadcastSite | None:
-    """The addition broadcasting `record`'s output (produced by `node`) over the samples."""
+    """The additions broadcasting `record`'s output (produced by `node`) over the samples.
+
+    Every path from the output must pass only views, permutes and the like and end in an
+    addition (or subtraction); anything else, and the call is not taken as broadcast.
+    """
     if len(record.outputs) != 1 or any(e is not None for e in record.input_edges):
         return None
+    start = node
+    parts: list[_Addition] = []
     seen: set[int] = set()
-    start, moves_axes = node, False
-    while True:
+    stack = [(node, False)]
+    while stack:
+        node, moves_axes = stack.pop()
         consumers = {(id(p), i): (p, i) for p, i in parents.get(id(node), [])}
-        if len(consumers) != 1:
+        if not consumers:
             return None
-        consumer, index = next(iter(consumers.values()))
-        if id(consumer) in seen:
-            return None
-        seen.add(id(consumer))
-        name = consumer.name()
-        if name in _RESHAPE_NODES or name in _AXIS_NODES:
-            moves_axes = moves_axes or name in _AXIS_NODES
-            node = consumer
-            continue
-        if name not in ("AddBackward0", "SubBackward0"):
-            return None
-        alpha = float(getattr(consumer, "_saved_alpha", 1)) if index == 1 else 1.0
-        if name == "SubBackward0" and index == 1:
-            alpha = -alpha
-        if not moves_axes:
-            return BroadcastSite(consumer, alpha)
-        operand = consumer.next_functions[index]
-        return BroadcastSite(consumer, alpha, GradientEdge(*operand), start)
+        for consumer, index in consumers.values():
+            name = consumer.name()
+            if name in _RESHAPE_NODES or name in _AXIS_NODES:
+                if id(consumer) in seen:
+                    return None
+                seen.add(id(consumer))
+                stack.append((consumer, moves_axes or name in _AXIS_NODES))
+                continue
+            if name not in ("AddBackward0", "SubBackward0"):
+                return None
+            alpha = float(getattr(consumer, "_saved_alpha", 1)) if index == 1 else 1.0
+            if name == "SubBackward0" and index == 1:
+                alpha = -alpha
+            if moves_axes:
+                operand = GradientEdge(*consumer.next_functions[index])
+                shape = record.outputs[0].shape
+                parts.append(_Addition(consumer, alpha, operand, start, shape))
+            else:
+                parts.append(_Addition(consumer, alpha))
+    return BroadcastSite(parts) if parts else None
 
 
 class SampleLayout:
@@ -399,8 +498,7 @@ class SampleLayout:
     def close(self) -> None:
         """Remove the hooks of the broadcast sites (end of the pass)."""
         for site in self.broadcast.values():
-            site.handle.remove()
-            site.captured = None
+            site.close()
         self.broadcast = {}
 
     # --- per call ----------------------------------------------------------------------------

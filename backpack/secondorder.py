@@ -447,7 +447,7 @@ def _store_factors(state: BackwardState, columns: _LossColumns, convolutional: b
     # calls broadcast over the samples (position embeddings) take the factor before the
     # broadcast's sum over samples
     sites = [state.layout.broadcast.get(id(r)) for r, _, _ in found]
-    extra_edges = [site.edge for site in sites if site is not None]
+    extra_edges = [edge for site in sites if site is not None for edge in site.edges]
     results = propagate(
         state,
         out_edge,
@@ -458,9 +458,9 @@ def _store_factors(state: BackwardState, columns: _LossColumns, convolutional: b
     broadcast_results = iter(results[len(found) :])
     for (target, index, _), result, site in zip(found, results, sites):
         if site is not None:
-            spread = next(broadcast_results)
+            spread = [next(broadcast_results) for _ in site.parts]
             shape = target.outputs[index].shape
-            per_sample = None if spread is None else site.per_sample(spread, shape, lead=1)
+            per_sample = site.per_sample(spread, shape, lead=1)
             if per_sample is not None:
                 n = per_sample.shape[1]
                 target.extra["broadcast"] = n

@@ -119,7 +119,9 @@ class _SqrtPieces:
         for pos in sorted(columns):
             offsets[pos] = start
             start += columns[pos]
-        full = self.param.new_zeros(start, self.rows, *self.param.shape)
+        # in the pieces' dtype: float32 for 16-bit weights (rules compute in float32)
+        dtype = self.pieces[0][2].dtype if self.pieces else self.param.dtype
+        full = self.param.new_zeros(start, self.rows, *self.param.shape, dtype=dtype)
         for pos, row, piece in self.pieces:
             c = offsets[pos]
             full[c : c + piece.shape[0], row : row + piece.shape[1]] += piece

@@ -112,8 +112,8 @@ def view_for_rules(
     site = state.layout.broadcast.get(id(record))
     if site is not None and not record.freed:
         per_sample = None
-        if site.captured is not None and grads[0] is not None:
-            per_sample = site.per_sample(site.captured, record.outputs[0].shape)
+        if site.captured and grads[0] is not None:
+            per_sample = site.captured_per_sample(record.outputs[0].shape)
         if per_sample is not None or record.extra.get("broadcast"):
             n = per_sample.shape[0] if per_sample is not None else record.extra["broadcast"]
             view = _broadcast_view(record, n)

@@ -143,6 +143,11 @@ class _SampleCalls:
         self.buffers = (
             {k: b.clone() for k, b in module.named_buffers()} if module.training else {}
         )
+        # 16-bit weights: the call runs in float32 like its promoted inputs (`_working`), the
+        # parameters and buffers not differentiated too
+        for k, t in (*module.named_parameters(), *module.named_buffers()):
+            if t.dtype in (torch.float16, torch.bfloat16):
+                self.buffers.setdefault(k, t.detach().float())
 
     def call(self, sample_args: tuple, sample_kwargs: dict, p: dict) -> tuple[Tensor, ...]:
         """The module on one sample with parameters `p`: its output tensors."""
