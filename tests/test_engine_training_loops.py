@@ -336,12 +336,19 @@ class _Positions(nn.Module):
         return self.head(torch.tanh(x)).transpose(1, 2)
 
 
-def test_position_embedding_used_twice_is_refused_not_silently_per_position():
-    model = extend(_Positions(twice=True).to(DTYPE))
-    idx = torch.randint(0, 7, (3, 4))
-    with pytest.raises(RuntimeError, match="'pos' \\(Embedding\\) processes 4 samples"):
-        with backpack(BatchGrad()):
-            nn.functional.cross_entropy(model(idx), idx).backward()
+@pytest.mark.parametrize("n", [3, 4], ids=["N!=T", "N==T"])
+def test_position_embedding_added_twice_sums_both_uses_per_sample(n):
+    """Both additions broadcast the positions: each sample's gradient adds their shares."""
+    torch.manual_seed(0)
+    model = _Positions(twice=True).to(DTYPE)
+    idx = torch.randint(0, 7, (n, 4))
+    lossfunc = nn.CrossEntropyLoss(reduction="sum")
+    expected = reference_per_sample_grads(model, idx, lossfunc, idx)
+    extend(model)
+    with backpack(BatchGrad()):
+        extend(lossfunc)(model(idx), idx).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad_batch, expected[name], rtol=1e-10, atol=1e-12)
 
 
 def test_nan_in_a_broadcast_position_embedding_keeps_nan_gradients():
