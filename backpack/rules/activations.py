@@ -29,6 +29,8 @@ from backpack.rules.base import (
     class_match,
     clear_class_caches,
     is_instance_with_forward,
+    keeps_forward_of,
+    qualified_name,
 )
 from backpack.rules.conv import CONV_CLASSES
 
@@ -186,13 +188,27 @@ _CURVATURE_FREE: tuple[type[nn.Module], ...] = (
     ReduceTuple,
 )
 _EXTRA_CURVATURE_FREE: list[type[nn.Module]] = []
+#: the same by qualified name, for classes of packages backpack does not import (transformers,
+#: timm); each is linear in its input (checked by a test building the class)
+_CURVATURE_FREE_NAMES: set[str] = {
+    "transformers.pytorch_utils.Conv1D",  # x @ W + b
+    "timm.layers.layer_scale.LayerScale",  # x * gamma
+    "timm.layers.layer_scale.LayerScale2d",
+}
 #: clamps: f(f(x)) = f(x) with the same derivative (see `IDEMPOTENT_ACTIVATIONS`)
 IDEMPOTENT_ACTIVATIONS.update({nn.ReLU, nn.ReLU6, nn.Hardtanh})
 
 
-def register_curvature_free(*module_classes: type[nn.Module]) -> None:
-    """Declare module classes linear in their input (e.g. custom containers like SumModule)."""
-    _EXTRA_CURVATURE_FREE.extend(module_classes)
+def register_curvature_free(*module_classes: type[nn.Module] | str) -> None:
+    """Declare module classes linear in their input (e.g. custom containers like SumModule).
+
+    A class may be given by its qualified name (`"pkg.module.Class"`), which imports nothing.
+    """
+    for cls in module_classes:
+        if isinstance(cls, str):
+            _CURVATURE_FREE_NAMES.add(cls)
+        else:
+            _EXTRA_CURVATURE_FREE.append(cls)
     clear_class_caches()
 
 
@@ -219,11 +235,13 @@ def is_curvature_free(module: nn.Module) -> bool:
 
     Subclasses count only if they keep the listed class's forward.
     """
-    return cached_per_class(
-        _IS_CURVATURE_FREE,
-        module,
-        lambda: is_instance_with_forward(module, (*_CURVATURE_FREE, *_EXTRA_CURVATURE_FREE)),
-    )
+    return cached_per_class(_IS_CURVATURE_FREE, module, lambda: _curvature_free(type(module)))
+
+
+def _curvature_free(cls: type) -> bool:
+    named = [c for c in cls.__mro__ if qualified_name(c) in _CURVATURE_FREE_NAMES]
+    classes = (*_CURVATURE_FREE, *_EXTRA_CURVATURE_FREE, *named)
+    return any(issubclass(cls, c) and keeps_forward_of(cls, c) for c in classes)
 
 
 _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)

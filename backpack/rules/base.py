@@ -22,6 +22,10 @@ GradOutputs = tuple[Tensor | None, ...]
 Names = Sequence[str]
 
 _RULES: dict[type[nn.Module], ModuleRule] = {}
+#: rules of classes named by their qualified name (`register_rule("pkg.mod.Class")`): taken into
+#: `_RULES` when a class of that name is first met in a module's class hierarchy, so that the
+#: package defining the class (transformers, timm) is never imported by backpack
+_NAMED_RULES: dict[str, ModuleRule] = {}
 
 R = TypeVar("R", bound="type[ModuleRule]")
 
@@ -205,36 +209,78 @@ class ModuleRule:
         """
         return None
 
+    def on_class_resolved(self, cls: type) -> None:
+        """Called once when a class registered by name (`register_rule("pkg.Class")`) is met."""
 
-def register_rule(*module_classes: type[nn.Module]) -> Callable[[R], R]:
-    """Class decorator registering a rule for the given module classes."""
+
+def qualified_name(cls: type) -> str:
+    """`module.QualName` of a class, e.g. `transformers.pytorch_utils.Conv1D`."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def register_rule(*module_classes: type[nn.Module] | str) -> Callable[[R], R]:
+    """Class decorator registering a rule for the given module classes.
+
+    A class may be given by its qualified name (`"transformers.pytorch_utils.Conv1D"`, as
+    `qualified_name` spells it): the rule then applies to the class of that exact name once one
+    is met, without importing its package. Only name classes whose forward the rule was checked
+    against (a test building the class): a name says nothing about what the class computes.
+    """
 
     def decorator(rule_cls: R) -> R:
         rule = rule_cls()
         for cls in module_classes:
-            _RULES[cls] = rule
+            if isinstance(cls, str):
+                _NAMED_RULES[cls] = rule
+            else:
+                _RULES[cls] = rule
         clear_class_caches()
         return rule_cls
 
     return decorator
 
 
+def _resolve_named(cls: type) -> None:
+    """Move the rules registered under the names of `cls`'s bases into `_RULES`."""
+    if not _NAMED_RULES:
+        return
+    for base in cls.__mro__:
+        if base not in _RULES:
+            rule = _NAMED_RULES.get(qualified_name(base))
+            if rule is not None:
+                _RULES[base] = rule
+                rule.on_class_resolved(base)
+
+
 #: the methods through which a layer computes its output (`Conv*.forward` calls `_conv_forward`)
 _FORWARD_METHODS = ("forward", "_conv_forward")
 #: subclasses declared to compute what their parent computes (`register_standard_forward`)
 _STANDARD_FORWARD: set[type] = set()
+#: the same, by qualified name (classes of packages backpack does not import)
+_STANDARD_FORWARD_NAMES: set[str] = set()
 
 
-def register_standard_forward(*module_classes: type[nn.Module]) -> None:
+def register_standard_forward(*module_classes: type[nn.Module] | str) -> None:
     """Declare that these subclasses' own `forward` computes what their parent's forward does.
 
     A subclass that overrides `forward` gets the `torch.func` fallback (correct for any forward,
     but slower, and without Kronecker factors or Hessians), since its parent's rule would read
     the recorded input as if the parent's forward had run. Declare overrides that only add
     logging, checks or hooks and then call `super().forward(x)` to use the parent's rule again.
+    A class may be given by its qualified name (see `qualified_name`), which imports nothing.
     """
-    _STANDARD_FORWARD.update(module_classes)
+    for cls in module_classes:
+        if isinstance(cls, str):
+            _STANDARD_FORWARD_NAMES.add(cls)
+        else:
+            _STANDARD_FORWARD.add(cls)
     clear_class_caches()
+
+
+def _declared_standard(cls: type) -> bool:
+    return cls in _STANDARD_FORWARD or (
+        bool(_STANDARD_FORWARD_NAMES) and qualified_name(cls) in _STANDARD_FORWARD_NAMES
+    )
 
 
 def keeps_forward_of(cls: type, base: type) -> bool:
@@ -247,7 +293,7 @@ def keeps_forward_of(cls: type, base: type) -> bool:
     if base.forward is nn.Module.forward:
         return True
     for c in cls.__mro__:
-        if c is base or c in _STANDARD_FORWARD:
+        if c is base or _declared_standard(c):
             return True
         if any(m in c.__dict__ for m in _FORWARD_METHODS):
             return False
@@ -270,6 +316,7 @@ def class_match(module: nn.Module, table: Any) -> Any:
 
 def overridden_base(module: nn.Module) -> type | None:
     """The registered class whose rule `module` does not get because it overrides its forward."""
+    _resolve_named(type(module))
     for base in type(module).__mro__:
         if base in _RULES:
             return None if keeps_forward_of(type(module), base) else base
@@ -322,12 +369,31 @@ def find_rule(module: nn.Module) -> ModuleRule | None:
     """
     if is_parametrized(module):
         return None
-    return cached_per_class(_FOUND, module, lambda: class_match(module, _RULES))
+    return cached_per_class(_FOUND, module, lambda: _match_rule(module))
+
+
+def _match_rule(module: nn.Module) -> ModuleRule | None:
+    _resolve_named(type(module))
+    return class_match(module, _RULES)
 
 
 def registered_module_classes() -> list[type[nn.Module]]:
-    """All module classes with a dedicated rule (used to generate the docs' layer table)."""
+    """All module classes with a dedicated rule (used to generate the docs' layer table).
+
+    Classes registered by name appear once a module of theirs was looked up; see
+    `registered_class_names` for all names.
+    """
     return list(_RULES)
+
+
+def registered_class_names() -> dict[str, ModuleRule]:
+    """Qualified class names with a rule registered by name, and their rules."""
+    return dict(_NAMED_RULES)
+
+
+def standard_forward_names() -> list[str]:
+    """Qualified names of subclasses declared to compute their parent's forward."""
+    return sorted(_STANDARD_FORWARD_NAMES)
 
 
 def gram(rows: Tensor, other: Tensor | None = None) -> Tensor:

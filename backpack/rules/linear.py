@@ -16,7 +16,14 @@ import torch
 from torch import Tensor, nn
 
 from backpack.recording import SHAPE_ONLY_OUTPUTS, Record
-from backpack.rules.base import GradOutputs, ModuleRule, Names, gram, register_rule
+from backpack.rules.base import (
+    GradOutputs,
+    ModuleRule,
+    Names,
+    gram,
+    register_rule,
+    register_standard_forward,
+)
 from backpack.variance import centred_squares, outer_centred_squares
 
 
@@ -35,6 +42,10 @@ def _flat(record: Record, grad_outputs: GradOutputs) -> tuple[Tensor, Tensor]:
 
 # the rule reads its outputs' shapes only (see `SHAPE_ONLY_OUTPUTS`)
 SHAPE_ONLY_OUTPUTS.add(nn.Linear)
+#: subclasses whose own forward calls `F.linear(input, self.weight, self.bias)` (timm's casts
+#: weight and bias to the input's dtype under TorchScript only); checked against the installed
+#: package by tests/rules/test_thirdparty_rules.py
+register_standard_forward("timm.layers.linear.Linear")
 
 
 @register_rule(nn.Linear)
@@ -333,3 +344,119 @@ def _kron_result(x: Tensor, g: Tensor, names: Names) -> dict[str, list[Tensor]]:
     if "bias" in names:
         result["bias"] = [g]
     return result
+
+
+@register_rule("transformers.pytorch_utils.Conv1D")
+class Conv1DRule(LinearRule):
+    """Hugging Face's `Conv1D` (GPT-2, OpenAI GPT): y = x W + b with W stored as `[in, out]`.
+
+    It is `nn.Linear` with the transposed weight, so every quantity is Linear's for `Wᵀ`,
+    returned in the stored layout: per-sample gradients x_nᵀ d_n `[N, in, out]`, diagonals and
+    square roots `[..., in, out]`. Norms and Gram matrices do not depend on the layout.
+
+    Kronecker factors keep the library's order, the output-side factor first: `[G, A]` with G
+    `[out, out]` and A `[in, in]`, the factors of the weight as stored. With W flattened
+    row-major (`weight.flatten()`, entry (i, o) at i·out + o) the curvature block is
+    `kron(A, G)` (for `nn.Linear`, whose weight is `[out, in]`, it is `kron(G, A)`); as for
+    `nn.Embedding`, `kron(G, A)` is the block of `weight.T`. Recognised by its qualified name,
+    so backpack never imports transformers.
+    """
+
+    def on_class_resolved(self, cls: type) -> None:  # noqa: D102
+        SHAPE_ONLY_OUTPUTS.add(cls)  # reads its outputs' shapes only, as Linear's rule
+
+    def per_sample_grads(self, record, grad_outputs, names, subsampling=None):  # noqa: D102
+        x, g = _flat(record, grad_outputs)
+        if subsampling is not None:
+            index = torch.as_tensor(subsampling, device=x.device)
+            x, g = x[index], g[index]
+        result = {}
+        if "weight" in names:
+            result["weight"] = torch.einsum("nti,nto->nio", x, g)
+        if "bias" in names:
+            result["bias"] = g.sum(1)
+        return result
+
+    def sum_grad_squared(self, record, grad_outputs, names):  # noqa: D102
+        return _transposed(super().sum_grad_squared(record, grad_outputs, names))
+
+    def grad_sum_and_squares(self, record, grad_outputs, names):  # noqa: D102
+        result = super().grad_sum_and_squares(record, grad_outputs, names)
+        if result is None:
+            return None
+        return _transposed(result[0]), _transposed(result[1])
+
+    def grad_sum_and_centred_squares(self, record, grad_outputs, names, grad_sums=None):
+        """(Σ_n g_n, Σ_n (g_n − ḡ)²) for `Variance`: Linear's with x and d swapped.
+
+        The per-sample products x_n d_nᵀ are `[in, out]`, the stored layout.
+        """
+        x, g = _flat(record, grad_outputs)
+        sums, squares = {}, {}
+        if "weight" in names:
+            if x.shape[1] == 1:
+                given = None if grad_sums is None else grad_sums.get("weight")
+                sums["weight"], squares["weight"] = outer_centred_squares(x[:, 0], g[:, 0], given)
+            else:
+                per_sample = torch.einsum("nti,nto->nio", x, g)
+                sums["weight"], squares["weight"] = centred_squares(per_sample, overwrite=True)
+        if "bias" in names:
+            sums["bias"], squares["bias"] = centred_squares(g.sum(1), overwrite=True)
+        return sums, squares
+
+    def grad_sum(self, record, grad_outputs, names):  # noqa: D102
+        x, g = _flat(record, grad_outputs)
+        result = {}
+        if "weight" in names:
+            result["weight"] = gram(x, g)
+        if "bias" in names:
+            result["bias"] = g.sum((0, 1))
+        return result
+
+    def grad_sum_entries(self, record, grad_outputs, name, index):  # noqa: D102
+        x, g = _flat(record, grad_outputs)
+        if name == "bias":
+            return g.sum((0, 1))[index]
+        rows, cols = index // g.shape[2], index % g.shape[2]
+        return (x[..., rows] * g[..., cols]).sum((0, 1))
+
+    def sqrt_factor(self, record, factors, names, subsampling=None):  # noqa: D102
+        x = _flat_input(record)
+        f = self._flat_factor(record, factors)
+        if subsampling is not None:
+            index = torch.as_tensor(subsampling, device=x.device)
+            x, f = x[index], f[:, index]
+        result = {}
+        if "weight" in names:
+            result["weight"] = torch.einsum("nti,vnto->vnio", x, f)
+        if "bias" in names:
+            result["bias"] = f.sum(2)
+        return result
+
+    def diag_from_factor(self, record, factors, names, coef, per_sample):  # noqa: D102
+        if _flat_input(record).shape[1] != 1 and "weight" in names:
+            # squares of this rule's own square root, already in the stored layout
+            return ModuleRule.diag_from_factor(self, record, factors, names, coef, per_sample)
+        return _transposed(super().diag_from_factor(record, factors, names, coef, per_sample))
+
+    def diag_from_residual(self, record, index, diag, names, per_sample):  # noqa: D102
+        return _transposed(super().diag_from_residual(record, index, diag, names, per_sample))
+
+    def residual_input_diag(self, record: Record, diag: Tensor) -> Tensor:
+        """Diagonal of Jᵀ diag(c) J w.r.t. the input: (W∘W) c at every position."""
+        w = record.module.weight.detach()
+        return (diag @ w.square().T).reshape(record.args[0].shape)
+
+    def kron_factors_dense(self, record, gbar, names):  # noqa: D102
+        x = _flat_input(record)
+        out = record.module.weight.shape[1]
+        t = gbar.shape[0] // out
+        g = gbar.reshape(t, out, t, out).diagonal(dim1=0, dim2=2).sum(-1)
+        return _kron_result(x, (g + g.T) / 2, names)
+
+
+def _transposed(result: dict[str, Tensor] | None) -> dict[str, Tensor] | None:
+    """Linear's results for `Conv1D`: the weight's last two axes `[out, in]` swapped."""
+    if result is None:
+        return None
+    return {k: v.transpose(-1, -2) if k == "weight" else v for k, v in result.items()}

@@ -40,8 +40,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from backpack.recording import Record
-from backpack.rules.base import GradOutputs, ModuleRule, Names, gram, register_rule
+from backpack.recording import Record, describe
+from backpack.rules.base import (
+    GradOutputs,
+    ModuleRule,
+    Names,
+    gram,
+    register_rule,
+    register_standard_forward,
+)
 
 #: key of the per-sample gradient cache in `Record.extra`
 _CACHE = "norm_per_sample"
@@ -63,6 +70,8 @@ class _PerSampleNormRule(ModuleRule):
 
     #: "npk" (parameter entries on the last axis) or "nkp" (on axis 1)
     layout = "npk"
+    #: name of γ (the parameter multiplying x̂); β is always "bias"
+    scale_name = "weight"
 
     # --- layer-specific parts ----------------------------------------------------------------
     def normalised(self, record: Record, x: Tensor) -> Tensor:
@@ -132,11 +141,11 @@ class _PerSampleNormRule(ModuleRule):
             if broadcast:
                 bias = bias.expand(*bias.shape[:lead], x.shape[0], bias.shape[-1])
             result["bias"] = bias
-        if "weight" in names:
+        if self.scale_name in names:
             # a product and a sum beat einsum's permuted batched matmul here (measured on the
             # CPU: 5-7x for the "npk" layout, on par for "nkp"); a single-sample g broadcasts
             xhat = self._view(record, self.normalised(record, x), 0)
-            result["weight"] = _times(xhat, g3).sum(lead + self._pos)
+            result[self.scale_name] = _times(xhat, g3).sum(lead + self._pos)
         return {n: v.reshape(*v.shape[: lead + 1], *shapes[n]) for n, v in result.items()}
 
     def _cached(self, record: Record, grad_outputs: GradOutputs, names: Names) -> dict:
@@ -208,9 +217,9 @@ class _PerSampleNormRule(ModuleRule):
             x, g = self._io(record, grad_outputs)
             g3 = self._view(record, g, 0)
             reduce = (0, self._pos)
-            if "weight" in todo:
+            if self.scale_name in todo:
                 xhat = self._view(record, self.normalised(record, x), 0)
-                result["weight"] = _times(xhat, g3).sum(reduce)
+                result[self.scale_name] = _times(xhat, g3).sum(reduce)
             if "bias" in todo:
                 result["bias"] = g3.sum(reduce)
             shapes = self._shapes(record, todo)
@@ -383,3 +392,129 @@ class InstanceNormRule(_PerSampleNormRule):
             return (x_at - mean) * torch.rsqrt(var + eps)
         mean, var = self._running(record, x3)
         return (x_at - mean[index, None]) * torch.rsqrt(var[index, None] + eps)
+
+
+#: subclasses whose own forward applies the parent's functional op to the same input and
+#: parameters (timm's optional "fast norm" path runs the same function in another kernel or
+#: in autocast's 16-bit type); checked against the installed timm by
+#: tests/rules/test_thirdparty_rules.py
+register_standard_forward(
+    "timm.layers.norm.LayerNorm", "timm.layers.norm.GroupNorm", "timm.layers.norm.GroupNorm1"
+)
+
+if hasattr(nn, "RMSNorm"):
+    # timm's RmsNorm: F.rms_norm's function (timm's own formula or apex's fused kernel) of the
+    # same attributes (`normalized_shape`, `eps`, `weight`)
+    register_rule("timm.layers.norm.RmsNorm")(RMSNormRule)
+
+
+#: Hugging Face RMS norms whose forward is LlamaRMSNorm's (checked against the installed
+#: transformers by tests/rules/test_thirdparty_rules.py)
+LLAMA_RMS_NORMS = tuple(
+    f"transformers.models.{module}.{name}"
+    for module, name in (
+        ("llama.modeling_llama", "LlamaRMSNorm"),
+        ("mistral.modeling_mistral", "MistralRMSNorm"),
+        ("mixtral.modeling_mixtral", "MixtralRMSNorm"),
+        ("qwen2.modeling_qwen2", "Qwen2RMSNorm"),
+        ("qwen2_moe.modeling_qwen2_moe", "Qwen2MoeRMSNorm"),
+        ("qwen3.modeling_qwen3", "Qwen3RMSNorm"),
+        ("qwen3_moe.modeling_qwen3_moe", "Qwen3MoeRMSNorm"),
+        ("phi3.modeling_phi3", "Phi3RMSNorm"),
+        ("granite.modeling_granite", "GraniteRMSNorm"),
+        ("deepseek_v3.modeling_deepseek_v3", "DeepseekV3RMSNorm"),
+    )
+)
+#: Hugging Face RMS norms whose forward is T5LayerNorm's
+T5_RMS_NORMS = tuple(
+    f"transformers.models.{module}.{name}"
+    for module, name in (
+        ("t5.modeling_t5", "T5LayerNorm"),
+        ("mt5.modeling_mt5", "MT5LayerNorm"),
+        ("longt5.modeling_longt5", "LongT5LayerNorm"),
+        ("umt5.modeling_umt5", "UMT5LayerNorm"),
+        ("switch_transformers.modeling_switch_transformers", "SwitchTransformersLayerNorm"),
+    )
+)
+
+
+class _HFRMSNormRule(_PerSampleNormRule):
+    """Hugging Face's RMS norms: y = γ ⊙ x̂, x̂ = x / sqrt(mean(x²) + eps) over the last axis.
+
+    Their forward takes the mean square in float32 whatever the input's dtype (float64 inputs
+    included), with eps = `variance_epsilon`; the rule recomputes x̂ exactly as the forward
+    did, so its quantities are the derivatives of what the module computed. Under
+    `torch.autocast` and for 16-bit inputs the engine hands rules float32 inputs, and x̂ stays
+    in float32 (the forward rounds it to the input's or weight's 16-bit type).
+    """
+
+    layout = "npk"
+
+    def entries(self, record: Record) -> int:  # noqa: D102
+        return record.module.weight.numel()
+
+    def _rsqrt(self, record: Record, x: Tensor, axis: int) -> Tensor:
+        """1 / sqrt(mean(x²) + eps) over `axis`, in float32 as the forward computes it."""
+        mean_square = x.to(torch.float32).pow(2).mean(axis, keepdim=True)
+        return torch.rsqrt(mean_square + record.module.variance_epsilon)
+
+
+@register_rule(*LLAMA_RMS_NORMS)
+class LlamaRMSNormRule(_HFRMSNormRule):
+    """`LlamaRMSNorm` and its copies: x̂ = (x₃₂ · rsqrt(mean(x₃₂²) + eps)).to(x.dtype)."""
+
+    def normalised(self, record: Record, x: Tensor) -> Tensor:  # noqa: D102
+        return (x.to(torch.float32) * self._rsqrt(record, x, -1)).to(x.dtype)
+
+    def normalised_at(self, record: Record, x3: Tensor, index: Tensor) -> Tensor:  # noqa: D102
+        at = x3.index_select(2, index).to(torch.float32)
+        return (at * self._rsqrt(record, x3, 2)).to(x3.dtype)
+
+
+@register_rule(*T5_RMS_NORMS)
+class T5LayerNormRule(_HFRMSNormRule):
+    """`T5LayerNorm` and its copies: x̂ = x · rsqrt(mean(x₃₂²) + eps) (x's dtype, or float32)."""
+
+    def normalised(self, record: Record, x: Tensor) -> Tensor:  # noqa: D102
+        return x * self._rsqrt(record, x, -1)
+
+    def normalised_at(self, record: Record, x3: Tensor, index: Tensor) -> Tensor:  # noqa: D102
+        return x3.index_select(2, index) * self._rsqrt(record, x3, 2)
+
+
+class _ScaleRule(_PerSampleNormRule):
+    """y = x ⊙ γ with γ broadcast over positions (x̂ = x): linear in its input and in γ."""
+
+    scale_name = "gamma"
+
+    def entries(self, record: Record) -> int:  # noqa: D102
+        return record.module.gamma.numel()
+
+    def _input(self, record: Record) -> Tensor:
+        if record.inplace:
+            raise NotImplementedError(
+                f"{describe(record.module)} multiplied its input in place (inplace=True), so "
+                "the input its parameter's gradient needs is gone. Construct it with "
+                "inplace=False."
+            )
+        return record.args[0]
+
+    def normalised(self, record: Record, x: Tensor) -> Tensor:  # noqa: D102
+        return x.clone()
+
+    def normalised_at(self, record: Record, x3: Tensor, index: Tensor) -> Tensor:  # noqa: D102
+        return x3.index_select(1 if self.layout == "nkp" else 2, index)
+
+
+@register_rule("timm.layers.layer_scale.LayerScale")
+class LayerScaleRule(_ScaleRule):
+    """timm's `LayerScale`: x ⊙ γ on `[N, *, dim]` (γ `[dim]`, the attribute `gamma`)."""
+
+    layout = "npk"
+
+
+@register_rule("timm.layers.layer_scale.LayerScale2d")
+class LayerScale2dRule(_ScaleRule):
+    """timm's `LayerScale2d`: x ⊙ γ on `[N, C, H, W]` (γ `[C]` broadcast over positions)."""
+
+    layout = "nkp"
