@@ -276,6 +276,42 @@ class RNNRule(ModuleRule):
         """Jᵀ f for all V factor columns `[V, N, *param.shape]` (one re-run of V·N sequences)."""
         return _column_grads(record, factors, names, subsampling)
 
+    def kron_factors(
+        self,
+        record: Record,
+        factors: Sequence[Tensor | None],
+        names: Names,
+        approx: str = "expand",
+    ) -> dict[str, list[Tensor]]:
+        """Kronecker factors of every weight: `[G, A]`, and `[G]` for the biases.
+
+        Each weight is a Linear map applied at every step t of every layer and direction:
+        W_ih to the layer input x_t, W_hh to the previous hidden state h_{t-1} (the initial
+        state at t = 0). The re-run that gives the square roots also gives, for each factor
+        column v, sample n and step t, the column backpropagated to that step's
+        pre-activation: s = δ_t for W_ih and b_ih, and for W_hh and b_hh the gradient at
+        W_hh h_{t-1} + b_hh (δ_t again, except for GRU, whose n gate part is r_t ⊙ δ_n).
+        These are exact per-step factors. With a_t the weight's input and T steps:
+
+        - "expand" (steps act as samples, as for Linear on sequences):
+          G = Σ_{v,n,t} s sᵀ, A = 1/(N T) Σ_{n,t} a aᵀ;
+        - "reduce": G = Σ_{v,n} (Σ_t s)(Σ_t s)ᵀ, A = 1/N Σ_n ā āᵀ with ā = 1/T Σ_t a_t.
+
+        A factor with one sample for a batch of N (KFRA's batch-averaged curvature) is shared
+        by every sample, and G averages over them.
+        """
+        scale = 1.0
+        if record.args[0].dim() == 3:
+            n = self.batch_size(record)
+            shared = []
+            for f, axis in zip(factors, self.output_batch_axes(record)):
+                if f is not None and n != 1 and f.shape[axis + 1] == 1:
+                    f = f.expand(*f.shape[: axis + 1], n, *f.shape[axis + 2 :])
+                    scale = 1.0 / n
+                shared.append(f)
+            factors = shared
+        return _column_kron(record, factors, names, approx, scale)
+
     def grad_sum_entries(
         self, record: Record, grad_outputs: GradOutputs, name: str, index: Tensor
     ) -> Tensor:
@@ -306,6 +342,56 @@ def _column_grads(
     Samples are independent, so the V columns are folded into the batch: one re-run of V·N'
     sequences (N' = len(subsampling) if given) yields all of them. With `summed`, return the
     sums over columns and samples instead (`[*shape]`).
+    """
+    steps, v, n = _rerun_columns(record, columns, subsampling)
+    result = {}
+    for suffix, (delta, seq, h_prev, hidden_delta) in steps.items():
+        for name, d, other in (
+            (f"weight_ih{suffix}", delta, seq),
+            (f"weight_hh{suffix}", hidden_delta, h_prev),
+        ):
+            if name in names:
+                result[name] = gram(d, other) if summed else torch.einsum("tbg,tbi->bgi", d, other)
+        for name, d in ((f"bias_ih{suffix}", delta), (f"bias_hh{suffix}", hidden_delta)):
+            if name in names:
+                result[name] = d.sum((0, 1)) if summed else d.sum(0)
+    if summed:
+        return result
+    return {name: value.reshape(v, n, *value.shape[1:]) for name, value in result.items()}
+
+
+def _column_kron(
+    record: Record, columns: Sequence[Tensor | None], names: Names, approx: str, scale: float
+) -> dict[str, list[Tensor]]:
+    """Kronecker factors from the factor columns at the outputs (see `RNNRule.kron_factors`)."""
+    steps, v, n = _rerun_columns(record, columns, None)
+    result: dict[str, list[Tensor]] = {}
+    for suffix, (delta, seq, h_prev, hidden_delta) in steps.items():
+        for side, d, inputs in (("ih", delta, seq), ("hh", hidden_delta, h_prev)):
+            weight, bias = f"weight_{side}{suffix}", f"bias_{side}{suffix}"
+            if weight not in names and bias not in names:
+                continue
+            t = d.shape[0]
+            reduce = approx == "reduce" and t > 1
+            # "reduce": each (column, sample) summed over steps first; "expand": steps act as
+            # samples
+            g = gram(d.sum(0)) if reduce else gram(d)
+            if scale != 1.0:
+                g = g * scale
+            if weight in names:
+                a = inputs[:, :n]  # the V copies of a sequence share their inputs
+                result[weight] = [g, gram(a.mean(0)) / n if reduce else gram(a) / (n * t)]
+            if bias in names:
+                result[bias] = [g]
+    return result
+
+
+def _rerun_columns(
+    record: Record, columns: Sequence[Tensor | None], subsampling: Sequence[int] | None
+) -> tuple[dict[str, tuple[Tensor, Tensor, Tensor, Tensor]], int, int]:
+    """`_rerun` for V sets of output cotangents folded into the batch: (steps, V, N').
+
+    Sequence v·N' + n of the re-run is sample n with cotangent column v.
     """
     _check_supported(record)
     module = record.module
@@ -350,18 +436,4 @@ def _column_grads(
     x = repeat(x)
     if hx is not None:
         hx = tuple(repeat(h) for h in hx) if isinstance(hx, tuple) else repeat(hx)
-
-    result = {}
-    for suffix, (delta, seq, h_prev, hidden_delta) in _rerun(module, x, hx, grads, h_n).items():
-        for name, d, other in (
-            (f"weight_ih{suffix}", delta, seq),
-            (f"weight_hh{suffix}", hidden_delta, h_prev),
-        ):
-            if name in names:
-                result[name] = gram(d, other) if summed else torch.einsum("tbg,tbi->bgi", d, other)
-        for name, d in ((f"bias_ih{suffix}", delta), (f"bias_hh{suffix}", hidden_delta)):
-            if name in names:
-                result[name] = d.sum((0, 1)) if summed else d.sum(0)
-    if summed:
-        return result
-    return {name: value.reshape(v, n, *value.shape[1:]) for name, value in result.items()}
+    return _rerun(module, x, hx, grads, h_n), v, n

@@ -8,8 +8,8 @@ layers with module nonlinearities, so every first- and second-order extension te
 Tags: {"first", "second", "hessian", "kron"} wherever the exact-Hessian family applies (all
 nonlinearities are modules with second derivatives or piecewise linear). Not "hessian":
 MultiplyModule (bilinear, no residual rule) and RNN/LSTM (no second derivatives of the
-recurrence). Not "kron": RNN/LSTM (no Kronecker factors). Linear layers on `[N, T, F]`
-inputs treat positions as samples in their Kronecker factors, so their G is not the bias block
+recurrence). Linear layers on `[N, T, F]` inputs, and RNN/LSTM weights (one Linear map per
+step), treat positions as samples in their Kronecker factors, so their G is not the bias block
 of the GGN (`bias_block_is_G=False`).
 """
 
@@ -204,13 +204,15 @@ if _has_rnn_rule():
             rnn_reduce_tuple,
             lambda: torch.randn(4, 3, 3, dtype=torch.float64),
             ce("mean"),
-            tags={"first", "second"},
+            tags={"first", "second", "kron"},
+            options=SEQ_G,
         ),
         Problem(
             "custom-reduce-tuple-lstm",
             lstm_reduce_tuple,
             lambda: torch.randn(3, 3, 3, dtype=torch.float64),
             mse("sum"),
-            tags={"first", "second"},
+            tags={"first", "second", "kron"},
+            options=SEQ_G,
         ),
     ]

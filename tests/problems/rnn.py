@@ -6,6 +6,11 @@ from torch import nn
 from backpack.custom_module.reduce_tuple import ReduceTuple
 from problems import Problem, randn
 
+#: the recurrent layers' weights get Kronecker factors ("expand": steps act as samples, so G is
+#: not the GGN block of a bias)
+KRON = {"first", "second", "kron"}
+SEQ = {"bias_block_is_G": False}
+
 
 def seq_rnn(nonlinearity="tanh"):
     """RNN (batch_first) -> sequence output -> flatten -> Linear."""
@@ -177,19 +182,19 @@ class UsesNestedOutputs(nn.Module):
 
 
 PROBLEMS = [
-    Problem("rnn-tanh-seq-ce-mean", seq_rnn, randn(4, 5, 3), tags={"first", "second"}),
+    Problem("rnn-tanh-seq-ce-mean", seq_rnn, randn(4, 5, 3), tags=KRON, options=SEQ),
     Problem(
         "rnn-tanh-seq-mse-sum", seq_rnn, randn(3, 5, 3), lambda: nn.MSELoss(reduction="sum"),
-        tags={"first", "second"},
+        tags=KRON, options=SEQ,
     ),
     Problem(
         "rnn-relu-timemajor-ce-sum", ReluRNNTimeMajor, randn(4, 4, 3),
         lambda: nn.CrossEntropyLoss(reduction="sum"),
     ),
-    Problem("lstm-seq-ce-mean", seq_lstm, randn(4, 4, 3), tags={"first", "second"}),
+    Problem("lstm-seq-ce-mean", seq_lstm, randn(4, 4, 3), tags=KRON, options=SEQ),
     Problem(
         "lstm-seq-mse-mean", seq_lstm, randn(3, 4, 3), lambda: nn.MSELoss(),
-        tags={"first", "second"},
+        tags=KRON, options=SEQ,
     ),
     Problem(
         "lstm-seq-inplace-relu-mse-sum", seq_lstm_inplace, randn(3, 4, 3),
@@ -208,10 +213,10 @@ PROBLEMS = [
         "rnn-initial-state-kwarg-mse-mean", RNNWithInitialStateKwarg, randn(3, 4, 2),
         lambda: nn.MSELoss(),
     ),
-    Problem("gru-seq-ce-mean", seq_gru, randn(4, 4, 3), tags={"first", "second"}),
+    Problem("gru-seq-ce-mean", seq_gru, randn(4, 4, 3), tags=KRON, options=SEQ),
     Problem(
         "gru-timemajor-2layer-bidir-initial-state-mse-sum", DeepBidirectionalGRU, randn(3, 4, 3),
-        lambda: nn.MSELoss(reduction="sum"), tags={"first", "second"},
+        lambda: nn.MSELoss(reduction="sum"), tags=KRON, options=SEQ,
     ),
     Problem(
         "gru-timemajor-2layer-bidir-nobias-ce-sum", lambda: DeepBidirectionalGRU(bias=False),
