@@ -26,6 +26,11 @@ h_n (and c_n), so models that read the last hidden state, or pass an initial sta
 Since sequences are independent, V sets of output cotangents (the columns of a second-order
 factor) are folded into the batch and served by the same single re-run of V·N sequences.
 
+Kronecker factors (KFAC, KFLR, KFRA) come from the same re-run: every weight is a Linear map
+applied at each step, whose input (x_t or h_{t-1}) and backpropagated factor at the step's
+pre-activation (δ_t or ε_t) enter the factors as for `nn.Linear` on sequences, steps playing the
+role of positions (`RNNRule.kron_factors`).
+
 No fused `batch_l2` / `sum_grad_squared` / `batch_dot`: each would need its own re-run, which
 costs more than reducing the `[N, *shape]` per-sample gradients of one re-run.
 """

@@ -534,6 +534,7 @@ def test_kflr_kfac_match_definition(name):
 
 
 def test_kflr_through_lstm_gives_every_parameter_factors():
+    """The LSTM's weights get Kronecker factors (one Linear map per step), not dense blocks."""
     model, x, lossfunc, y = build("functional-zoo")
     gm = convert(model)
     lossfunc = extend(lossfunc)
@@ -543,6 +544,10 @@ def test_kflr_through_lstm_gives_every_parameter_factors():
         for p in module.parameters(recurse=False):
             assert all(f.shape[0] == f.shape[1] for f in p.kflr)
             assert math.prod(f.shape[0] for f in p.kflr) == p.numel()
+    lstm = [m for m in gm.modules() if isinstance(m, nn.LSTM)]
+    assert lstm
+    for name, p in lstm[0].named_parameters():
+        assert len(p.kflr) == (2 if name.startswith("weight") else 1), name
 
 
 def test_inplace_reads_after_conversion_see_the_result():

@@ -189,3 +189,26 @@ def test_time_major_gives_the_factors_of_batch_first():
     for name in results[0]:
         for a, b in zip(results[0][name], results[1][name]):
             close(a, b, name)
+
+
+def test_a_factor_of_one_sample_is_shared_by_the_batch():
+    """KFRA's batch-averaged curvature: one factor for all N samples; G averages over them."""
+    from backpack.recording import Record
+    from backpack.rules import find_rule
+
+    torch.manual_seed(0)
+    rnn = nn.LSTM(3, 2, batch_first=True).to(DT)
+    x = torch.randn(4, 3, 3, dtype=DT)
+    out, (h_n, c_n) = rnn(x)
+    outs = tuple(t.detach() for t in (out, h_n, c_n))
+    record = Record(rnn, (x,), {}, outs, (outs[0], (outs[1], outs[2])))
+    record.out_requires_grad = (True, True, True)
+    rule = find_rule(rnn)
+    names = [n for n, _ in rnn.named_parameters()]
+    one = torch.randn(2, 1, 3, 2, dtype=DT)  # [V, 1, T, H] at the sequence output
+    shared = rule.kron_factors(record, [one, None, None], names)
+    full = rule.kron_factors(record, [one.expand(2, 4, 3, 2), None, None], names)
+    for name in names:
+        close(shared[name][0], full[name][0] / 4, name)
+        for a, b in zip(shared[name][1:], full[name][1:]):
+            close(a, b, name)
