@@ -4,6 +4,8 @@ The table is built at documentation build time (this file is registered as an Mk
 `mkdocs.yml`), so it always describes the code that is installed:
 
 - `backpack.rules.registered_module_classes()`: layers with parameters and a dedicated rule;
+- `backpack.rules.base.registered_class_names()`: rules of classes named by their qualified name
+  (transformers, timm), which backpack never imports;
 - `backpack.rules.activations`: elementwise activations with a second derivative (`_RULES`) and
   the modules that are linear or piecewise linear in their input (`_CURVATURE_FREE`);
 - `backpack.rules.losses._LOSS_RULES`: losses whose Hessian w.r.t. the model output is factorised;
@@ -21,7 +23,12 @@ from torch import nn
 from backpack import rules as _rules
 from backpack.rules import activations as _activations
 from backpack.rules import losses as _losses
-from backpack.rules.base import ModuleRule
+from backpack.rules.base import (
+    ModuleRule,
+    qualified_name,
+    registered_class_names,
+    standard_forward_names,
+)
 
 #: placeholder in docs/supported-layers.md that the hook replaces by the table
 MARKER = "<!-- generated: layer-table -->"
@@ -84,15 +91,45 @@ def _kron_form(cls: type) -> str:
 
 
 def parametrized_rows() -> list[list[str]]:
-    """One row per layer class with a dedicated rule (in registration order)."""
+    """One row per layer class with a dedicated rule (in registration order), then one per
+    class registered by its qualified name (layers of transformers and timm)."""
+    named = registered_class_names()
     rows = []
     for cls in _rules.registered_module_classes():
+        if qualified_name(cls) in named:
+            continue  # listed by name below, whether or not one was met in this process
         rule = _rules.find_rule(cls.__new__(cls))
         mark = "¹" if _overrides(rule, "mixes_samples") else ""
         kron = YES + mark + _kron_form(cls) if _overrides(rule, "kron_factors") else NO
         hessian = YES + mark if _is_curvature_free(cls) else f"{NO} (nonlinear in its input)"
         rows.append([_name(cls), YES + mark, YES + mark, kron, hessian])
+    for name, rule in named.items():
+        kron = YES + _kron_form_of_rule(rule) if _overrides(rule, "kron_factors") else NO
+        linear = name in _activations._CURVATURE_FREE_NAMES
+        hessian = YES if linear else f"{NO} (nonlinear in its input)"
+        rows.append([f"`{name}`", YES, YES, kron, hessian])
     return rows
+
+
+def _kron_form_of_rule(rule: ModuleRule) -> str:
+    """`_kron_form` for classes registered by name (their classes may not be importable)."""
+    from backpack.rules.linear import Conv1DRule
+    from backpack.rules.norm import _PerSampleNormRule
+
+    if isinstance(rule, _PerSampleNormRule):
+        return " (one dense block per parameter)"
+    if isinstance(rule, Conv1DRule):
+        return " (of the stored `[in, out]` weight, see notes)"
+    return ""
+
+
+def standard_forward_sentence() -> str:
+    """The subclasses declared (by name) to compute their parent's forward."""
+    names = ", ".join(f"`{n}`" for n in standard_forward_names())
+    return (
+        "\nSubclasses overriding `forward` that backpack knows to compute their parent's "
+        f"function, so they use the parent's rule: {names}.\n"
+    )
 
 
 def parameter_free_rows() -> list[list[str]]:
@@ -162,6 +199,7 @@ def render_layer_table() -> str:
     out = ["### Layers with parameters\n\n", _HEADER]
     out += [_row(r) for r in parametrized_rows()]
     out.append(f"\n¹ {MIXING_NOTE}\n")
+    out.append(standard_forward_sentence())
     out += ["\n### Modules without parameters\n\n", _HEADER]
     out += [_row(r) for r in parameter_free_rows()]
     out += ["\n### Loss functions\n\n", _HEADER]
