@@ -91,8 +91,11 @@ def _kron_form(cls: type) -> str:
 
 
 def parametrized_rows() -> list[list[str]]:
-    """One row per layer class with a dedicated rule (in registration order), then one per
-    class registered by its qualified name (layers of transformers and timm)."""
+    """One row per layer class with a dedicated rule, then one per class registered by name.
+
+    Classes with a rule come in registration order; classes registered by their qualified name
+    (layers of transformers and timm) follow, whether or not one was met in this process.
+    """
     named = registered_class_names()
     rows = []
     for cls in _rules.registered_module_classes():

@@ -151,3 +151,20 @@ def test_mkdocs_build_strict(tmp_path):
     assert "torch.nn.Linear" in layers and "layer-table" not in layers
     api = (tmp_path / "site" / "api" / "extensions" / "index.html").read_text()
     assert "DiagGGNExact" in api
+
+
+def test_table_lists_layers_registered_by_name(table):
+    """Layers of transformers and timm appear by their qualified names, imported or not."""
+    from backpack.rules.base import registered_class_names, standard_forward_names
+
+    names = rows(table)
+    for name in registered_class_names():
+        assert name in names, name
+    conv1d = names["transformers.pytorch_utils.Conv1D"]
+    assert conv1d == ["✓", "✓", "✓ (of the stored `[in, out]` weight, see notes)", "✓"]
+    assert names["timm.layers.layer_scale.LayerScale"][3] == "✓"
+    llama = names["transformers.models.llama.modeling_llama.LlamaRMSNorm"]
+    assert llama[2] == "✓ (one dense block per parameter)" and llama[3].startswith("✗")
+    assert names["torch.nn.LSTM"][2] == "✓"
+    for name in standard_forward_names():
+        assert f"`{name}`" in table

@@ -362,6 +362,9 @@ class Conv1DRule(LinearRule):
     so backpack never imports transformers.
     """
 
+    #: `kron_factors` gives the factors of `weight.T` (see the class docstring)
+    KRON_TRANSPOSED = frozenset({"weight"})
+
     def on_class_resolved(self, cls: type) -> None:  # noqa: D102
         SHAPE_ONLY_OUTPUTS.add(cls)  # reads its outputs' shapes only, as Linear's rule
 

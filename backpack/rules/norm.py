@@ -518,3 +518,26 @@ class LayerScale2dRule(_ScaleRule):
     """timm's `LayerScale2d`: x ⊙ γ on `[N, C, H, W]` (γ `[C]` broadcast over positions)."""
 
     layout = "nkp"
+
+
+@register_rule("timm.layers.norm.LayerNorm2d")
+class LayerNorm2dRule(_PerSampleNormRule):
+    """timm's `LayerNorm2d`: LayerNorm over the channels of each position of `[N, C, H, W]`.
+
+    Its forward moves the channels last, applies `F.layer_norm` over them and moves them back:
+    x̂ normalises the C channels at every position, γ and β are per channel.
+    """
+
+    layout = "nkp"
+
+    def entries(self, record: Record) -> int:  # noqa: D102
+        return _flat_shape(record.module.normalized_shape)
+
+    def normalised(self, record: Record, x: Tensor) -> Tensor:  # noqa: D102
+        module = record.module
+        last = F.layer_norm(x.permute(0, 2, 3, 1), module.normalized_shape, None, None, module.eps)
+        return last.permute(0, 3, 1, 2)
+
+    def normalised_at(self, record: Record, x3: Tensor, index: Tensor) -> Tensor:  # noqa: D102
+        var, mean = torch.var_mean(x3, dim=1, keepdim=True, correction=0)
+        return (x3.index_select(1, index) - mean) * torch.rsqrt(var + record.module.eps)

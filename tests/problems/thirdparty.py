@@ -201,6 +201,19 @@ def timm_norms_net():
     )
 
 
+def layer_norm_2d_net():
+    """Conv2d -> timm LayerNorm2d (channels of each position) -> Tanh -> Linear."""
+    from timm.layers import LayerNorm2d
+
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 2),
+        randomise(LayerNorm2d(3)),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(3 * 3 * 2, 2),
+    )
+
+
 class ViTBlock(nn.Module):
     """A timm transformer block with LayerScale (attention and MLP) on `[N, T, D]`."""
 
@@ -330,6 +343,8 @@ TIMM_PROBLEMS = [
         randn(6, 5),
         tags=NO_HESSIAN,
     ),
+    Problem("timm-layernorm2d-ce-sum", layer_norm_2d_net, randn(4, 2, 4, 3),
+            lambda: nn.CrossEntropyLoss(reduction="sum"), tags=NO_HESSIAN),
     Problem(
         "timm-vit-block-mse-sum",
         ViTBlock,

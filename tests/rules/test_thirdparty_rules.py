@@ -48,7 +48,7 @@ from backpack.rules.norm import LLAMA_RMS_NORMS, T5_RMS_NORMS
 transformers = pytest.importorskip("transformers")
 timm = pytest.importorskip("timm")
 
-from timm.layers import LayerScale, LayerScale2d, RmsNorm  # noqa: E402
+from timm.layers import LayerNorm2d, LayerScale, LayerScale2d, RmsNorm  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
 from transformers.models.t5.modeling_t5 import T5LayerNorm  # noqa: E402
 from transformers.pytorch_utils import Conv1D  # noqa: E402
@@ -88,7 +88,7 @@ def test_classes_get_their_rules_by_name():
     assert find_rule(timm.layers.GroupNorm(4, num_groups=2)) is find_rule(nn.GroupNorm(2, 4))
     assert find_rule(timm.layers.GroupNorm1(4)) is find_rule(nn.GroupNorm(1, 4))
     assert type(find_rule(RmsNorm(3))) is type(find_rule(nn.RMSNorm(3)))
-    for module in (LayerScale(3), LayerScale2d(3), LlamaRMSNorm(3), T5LayerNorm(3)):
+    for module in (LayerScale(3), LayerScale2d(3), LlamaRMSNorm(3), T5LayerNorm(3), LayerNorm2d(3)):
         assert find_rule(module) is not None, module
     assert qualified_name(Conv1D) == "transformers.pytorch_utils.Conv1D"
     # linear in their input: no residual curvature for the Hessian extensions
@@ -249,7 +249,7 @@ def test_conv1d_kronecker_factors_belong_to_the_stored_weight(reduction):
 
 
 # --- norms and LayerScale: dense factors, refusals ----------------------------------------------
-DENSE = (LayerScale, LayerScale2d, LlamaRMSNorm, T5LayerNorm, RmsNorm)
+DENSE = (LayerScale, LayerScale2d, LlamaRMSNorm, T5LayerNorm, RmsNorm, LayerNorm2d)
 
 
 @pytest.mark.parametrize("problem", THIRDPARTY, ids=lambda p: p.id)
