@@ -28,6 +28,11 @@ Kronecker structure). A factor with a single sample broadcast over a batch of N 
 batch-averaged curvature) gives the batch average (1/N) Σ_n J_nᵀ Ḡ J_n, as for Linear layers.
 The layers are nonlinear in their input, so the exact-Hessian extensions refuse models in which
 they sit between the parameters and the loss.
+
+Also, registered by qualified name (backpack imports neither package): Hugging Face's RMS norms
+(`LlamaRMSNorm`, `T5LayerNorm` and copies), timm's `RmsNorm` and `LayerNorm2d`, and timm's
+`LayerScale`/`LayerScale2d` (y = x ⊙ γ: the same math with x̂ = x, linear in the input, so the
+Hessian extensions accept them).
 """
 
 from __future__ import annotations
