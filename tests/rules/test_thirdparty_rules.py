@@ -29,6 +29,7 @@ from backpack import backpack, extend
 from backpack.extensions import (
     KFAC,
     KFLR,
+    KFRA,
     BatchDiagGGNExact,
     BatchDotGrad,
     BatchGrad,
@@ -209,6 +210,11 @@ def test_conv1d_gives_linear_numbers_for_the_transposed_weight(seq, reduction):
             first[k].update({f: getattr(p, f) for f in list(FIELDS)[5:]})
             first[k]["kflr"] = p.kflr
             first[k]["grad"] = p.grad
+        if not seq:  # KFRA's recursion, through Conv1D's Jacobians
+            with backpack(KFRA()):
+                lossfunc(model(x), y).backward()
+            for k, p in model.named_parameters():
+                first[k]["kfra"] = p.kfra
         results.append(first)
     conv_results, linear_results = results
     for (k, conv), lin in zip(conv_results.items(), linear_results.values()):
@@ -219,8 +225,9 @@ def test_conv1d_gives_linear_numbers_for_the_transposed_weight(seq, reduction):
             if weight and axis is not None:
                 expected = expected.transpose(axis, axis + 1)
             close(conv[field], expected, f"{k} {field}")
-        for a, b in zip(conv["kflr"], lin["kflr"]):
-            close(a, b, f"{k} kflr")
+        for key in ("kflr", "kfra") if "kfra" in conv else ("kflr",):
+            for a, b in zip(conv[key], lin[key]):
+                close(a, b, f"{k} {key}")
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
