@@ -1,0 +1,15 @@
+"""Curvature of a data set: quantities accumulated over batches, linear operators, estimators.
+
+- `accumulate(model, lossfunc, data, extensions)`: each extension's quantity of the data-set loss
+  (one backward per batch), as an `Accumulated` result that merges with other sweeps.
+- Operators over a data set: `GGN`, `Hessian`, `EmpiricalFisher` (exact products, batched over
+  columns) and `KFAC` (Kronecker-factored, closed-form inverse and log-determinant).
+- Estimators on any operator: `eigvalsh`, `hutchinson_trace`, `hutchinson_diagonal`,
+  `hutchpp_trace`.
+
+This is the data-set layer: it is built only on `extend` and `backpack(...)`.
+"""
+
+from backpack.curvature.accumulate import Accumulated, accumulate
+
+__all__ = ["accumulate", "Accumulated"]
