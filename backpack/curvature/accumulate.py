@@ -220,6 +220,7 @@ def accumulate(
     total: float | None = None,
     normaliser: Normaliser | None = None,
     num_samples: Callable[[Any], int] | None = None,
+    write: bool = True,
 ) -> Accumulated:
     """Extension quantities of the data-set loss: one backward per batch of `data`.
 
@@ -245,6 +246,8 @@ def accumulate(
             `reduction="mean"`. Default: counted with a forward pass over `data` first.
         normaliser: Custom `(output, y) -> ν_b` for losses the library does not know.
         num_samples: Custom `X -> number of samples` (default: first axis of the first tensor).
+        write: Store the quantities and `.grad` on the parameters (`result.write(model)`); with
+            False the parameters keep their `.grad` from before the call and get no attribute.
 
     Returns:
         An `Accumulated` result (mergeable with another sweep's, and `write`-able to a model).
@@ -278,6 +281,7 @@ def accumulate(
         raise ValueError("The model has no trainable parameter.")
     names = [name for name, _ in params]
     before = fingerprint(model)
+    saved_grads = [p.grad for _, p in params]
     grad_kind = GradKind()
     states: dict[str, dict[str, Any]] = {f: dict.fromkeys(names) for f in kinds}
     grads: dict[str, Any] = dict.fromkeys(names)
@@ -327,7 +331,11 @@ def accumulate(
         signature=signature,
         stream_total=stream_total,
     )
-    result.write(model)
+    if write:
+        result.write(model)
+    else:
+        for (_, p), saved in zip(params, saved_grads):
+            p.grad = saved
     return result
 
 
