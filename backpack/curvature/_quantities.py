@@ -1,9 +1,11 @@
 """How each extension's batch quantity combines into the quantity of the data-set loss.
 
-Every state is kept at the scale of `reduction="sum"` (batch b's value times `s_b^k`, with
-`s_b = ν_b` for "mean" and 1 for "sum", `k` the power of the reduction factor the quantity carries)
-so that two states merge by plain addition or concatenation; `final` divides by `ν^k` once
-(`ν = Σ_b ν_b`, or 1 for "sum").
+A quantity carrying the reduction factor R to the power k is brought to the scale of
+`reduction="sum"` by multiplying batch b's value by `s_b^k` (`s_b = ν_b` for "mean", 1 for "sum"),
+summed (or concatenated) over batches and divided by `ν^k` (`ν = Σ_b ν_b`, 1 for "sum"). States
+are kept relative to the sweep's first batch, `s_b / s_ref` and `N_b / N_ref` (first batch's
+scale and sample count), so that a one-batch sweep gives that batch's values bit for bit; merging
+two sweeps rescales the second's states to the first's references.
 """
 
 from __future__ import annotations
@@ -43,11 +45,20 @@ Callback = Callable[[int, str, Tensor], None]
 
 @dataclass
 class BatchScale:
-    """What a batch contributes with: its index, `s_b`, its sample count, the streaming total."""
+    """What a batch contributes with.
+
+    Attributes:
+        index: Position in the sweep.
+        scale: `s_b / s_ref`.
+        num_samples: `N_b`.
+        count_scale: `N_b / N_ref`.
+        stream_total: `ν / s_ref` that streamed rows are divided by (to the power k).
+    """
 
     index: int
     scale: float
     num_samples: int
+    count_scale: float = 1.0
     stream_total: float | None = None
 
 
@@ -76,8 +87,14 @@ class Kind:
             return a
         return a + b
 
-    def final(self, state, total: float, num_samples: int):
-        """The quantity of the data-set loss."""
+    def rescale(self, state, ratio: float, count_ratio: float):
+        """The state relative to references `ratio` (scale) and `count_ratio` times larger."""
+        if state is None:
+            return None
+        return state * ratio**self.power
+
+    def final(self, state, total: float, count: float):
+        """The quantity of the data-set loss (`total = ν / s_ref`, `count = N / N_ref`)."""
         return state / total**self.power
 
 
@@ -89,8 +106,12 @@ class Summed(Kind):
         self.power = power
 
     def add(self, state, value, batch, name, grad):  # noqa: D102
-        value = value * batch.scale**self.power
+        if batch.scale != 1:
+            value = value * batch.scale**self.power
         return value if state is None else state + value
+
+    def final(self, state, total, count):  # noqa: D102
+        return state if total == 1 else state / total**self.power
 
 
 class Rows(Kind):
@@ -109,9 +130,11 @@ class Rows(Kind):
                 f"{batch.index}, but the inputs have {batch.num_samples}: pass "
                 "num_samples=lambda X: <number of samples> to count the samples as backpack does."
             )
-        value = value * batch.scale**self.power
+        if batch.scale != 1:
+            value = value * batch.scale**self.power
         if self.callback is not None:
-            self.callback(batch.index, name, value / batch.stream_total**self.power)
+            total = batch.stream_total
+            self.callback(batch.index, name, value if total == 1 else value / total**self.power)
             return state
         return [value] if state is None else state + [value]
 
@@ -130,19 +153,25 @@ class Rows(Kind):
             return a if b is None else b
         return a + b
 
-    def final(self, state, total, num_samples):  # noqa: D102
+    def rescale(self, state, ratio, count_ratio):  # noqa: D102
         if state is None:
             return None
-        return torch.cat(state, dim=self.dim) / total**self.power
+        return [v * ratio**self.power for v in state]
+
+    def final(self, state, total, count):  # noqa: D102
+        if state is None:
+            return None
+        rows = torch.cat(state, dim=self.dim) if len(state) > 1 else state[0]
+        return rows if total == 1 else rows / total**self.power
 
 
 class VarianceKind(Kind):
-    """Variance over all samples: counts, means and centred sums of squares merged exactly.
+    """Variance over all samples: counts, means and variances merged exactly.
 
-    With `g_n` the per-sample gradients at the scale of `reduction="sum"`, a state is
-    `(count, mean, M2)`, `M2 = Σ_n (g_n − mean)²`. Two states merge by Chan et al.'s formula
-    `M2 = M2_a + M2_b + δ² n_a n_b / n` (δ = mean_b − mean_a); the variance of the data set's
-    per-sample gradients `g_n / ν` is `M2 / (count ν²)`.
+    With `g_n` the per-sample gradients at the (relative) scale of `reduction="sum"`, a state is
+    `(count, mean, var)` with `var = Σ_n (g_n − mean)² / count`. Two states merge by Chan et
+    al.'s formula `n var = n_a var_a + n_b var_b + δ² n_a n_b / n` (δ = mean_b − mean_a); the
+    variance of the data set's per-sample gradients `g_n / ν` is `var / ν²`.
     """
 
     power = 2.0
@@ -152,8 +181,8 @@ class VarianceKind(Kind):
             raise ValueError(f"{name} has no .grad after batch {batch.index}.")
         count = batch.num_samples
         mean = grad * (batch.scale / count)
-        m2 = value * (count * batch.scale**2)
-        return self.merge(state, (count, mean, m2))
+        var = value if batch.scale == 1 else value * batch.scale**2
+        return self.merge(state, (count, mean, var))
 
     def skip(self, state, batch, name, param):  # noqa: D102
         zeros = torch.zeros_like(param)
@@ -162,14 +191,20 @@ class VarianceKind(Kind):
     def merge(self, a, b):  # noqa: D102
         if a is None or b is None:
             return a if b is None else b
-        (na, ma, m2a), (nb, mb, m2b) = a, b
+        (na, ma, va), (nb, mb, vb) = a, b
         n = na + nb
         delta = mb - ma
-        return n, ma + delta * (nb / n), m2a + m2b + delta.square() * (na * nb / n)
+        var = (va * na + vb * nb + delta.square() * (na * nb / n)) / n
+        return n, ma + delta * (nb / n), var
 
-    def final(self, state, total, num_samples):  # noqa: D102
-        count, _, m2 = state
-        return m2 / (count * total**2)
+    def rescale(self, state, ratio, count_ratio):  # noqa: D102
+        if state is None:
+            return None
+        count, mean, var = state
+        return count, mean * ratio, var * ratio**2
+
+    def final(self, state, total, count):  # noqa: D102
+        return state[2] if total == 1 else state[2] / total**2
 
 
 class KronKind(Kind):
@@ -183,9 +218,9 @@ class KronKind(Kind):
     def add(self, state, value, batch, name, grad):  # noqa: D102
         if len(value) not in (1, 2):
             raise ValueError(f"{self.savefield} of {name} has {len(value)} factors, not 1 or 2.")
-        new = [value[0] * batch.scale]
+        new = [value[0] if batch.scale == 1 else value[0] * batch.scale]
         if len(value) == 2:
-            new.append(value[1] * batch.num_samples)
+            new.append(value[1] if batch.count_scale == 1 else value[1] * batch.count_scale)
         return self.merge(state, new)
 
     def skip(self, state, batch, name, param):  # noqa: D102
@@ -201,10 +236,18 @@ class KronKind(Kind):
             raise ValueError(f"{self.savefield}: different numbers of factors in two sweeps.")
         return [x + y for x, y in zip(a, b)]
 
-    def final(self, state, total, num_samples):  # noqa: D102
-        out = [state[0] / total]
+    def rescale(self, state, ratio, count_ratio):  # noqa: D102
+        if state is None:
+            return None
+        out = [state[0] * ratio]
         if len(state) == 2:
-            out.append(state[1] / num_samples)
+            out.append(state[1] * count_ratio)
+        return out
+
+    def final(self, state, total, count):  # noqa: D102
+        out = [state[0] if total == 1 else state[0] / total]
+        if len(state) == 2:
+            out.append(state[1] if count == 1 else state[1] / count)
         return out
 
 
@@ -223,7 +266,7 @@ def kind_of(extension: BackpropExtension) -> Kind:
         ValueError: For per-sample extensions with `subsampling`.
     """
     field = extension.savefield
-    if getattr(extension, "subsampling", None) is not None:
+    if extension.get_subsampling() is not None:
         raise ValueError(
             f"{extension!r}: subsampling selects samples per batch; a data-set sweep does not "
             "support it (select the samples in the data instead)."
@@ -259,11 +302,6 @@ def kind_of(extension: BackpropExtension) -> Kind:
         f"accumulate does not know how {type(extension).__name__} ({field}) combines over "
         "batches."
     )
-
-
-def scale_of(normaliser: float, reduction: str) -> float:
-    """`s_b`: a batch's factor to the scale of `reduction="sum"`."""
-    return float(normaliser) if reduction == "mean" else 1.0
 
 
 def isclose(a: float, b: float) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,7 +27,6 @@ from backpack.curvature._quantities import (
     Rows,
     isclose,
     kind_of,
-    scale_of,
 )
 from backpack.extensions.backprop_extension import BackpropExtension
 
@@ -46,6 +45,8 @@ class Accumulated:
         num_batches: Number of batches swept.
         names: Names of the trainable parameters, in `model.parameters()` order.
         stream_total: The normaliser per-sample rows were streamed with (callback mode).
+        ref_scale: `s_ref`, the first batch's scale (states are relative to it).
+        ref_count: `N_ref`, the first batch's number of samples.
     """
 
     reduction: str
@@ -59,12 +60,18 @@ class Accumulated:
     model_fingerprint: tuple
     signature: Any = None
     stream_total: float | None = None
-    _cache: dict = field(default_factory=dict, repr=False)
+    ref_scale: float = 1.0
+    ref_count: int = 1
 
     @property
     def normaliser(self) -> float:
         """What the data-set loss divides the summed terms by: `ν` for "mean", 1 for "sum"."""
         return self.total if self.reduction == "mean" else 1.0
+
+    def _relative(self) -> tuple[float, float]:
+        """`ν / s_ref` and `N / N_ref`: the divisors of the relative states."""
+        total = self.total / self.ref_scale if self.reduction == "mean" else 1.0
+        return total, self.num_samples / self.ref_count
 
     @property
     def savefields(self) -> list[str]:
@@ -79,17 +86,16 @@ class Accumulated:
         if savefield not in self.kinds:
             raise KeyError(f"No {savefield!r} in this result; it holds {self.savefields}.")
         kind = self.kinds[savefield]
-        return {
-            name: kind.final(self.states[savefield][name], self.normaliser, self.num_samples)
-            for name in self.names
-        }
+        total, count = self._relative()
+        return {name: kind.final(self.states[savefield][name], total, count) for name in self.names}
 
     def __getitem__(self, savefield: str) -> dict[str, Any]:
         return self.quantity(savefield)
 
     def gradient(self) -> dict[str, Tensor]:
         """`{parameter name: gradient of the data-set loss}`."""
-        return {name: self.grad[name] / self.normaliser for name in self.names}
+        total, _ = self._relative()
+        return {name: self.grad[name] / total for name in self.names}
 
     def merge(self, other: Accumulated) -> Accumulated:
         """The result of both sweeps together (exact: resume a sweep, or combine shards).
@@ -120,6 +126,7 @@ class Accumulated:
                 f"Cannot merge sweeps over batches of different shapes: {self.signature} and "
                 f"{other.signature}."
             )
+        ratio, count_ratio = other.ref_scale / self.ref_scale, other.ref_count / self.ref_count
         merged = Accumulated(
             reduction=self.reduction,
             total=self.total + other.total,
@@ -128,13 +135,20 @@ class Accumulated:
             names=list(self.names),
             kinds=self.kinds,
             states={
-                f: {n: k.merge(self.states[f][n], other.states[f][n]) for n in self.names}
+                f: {
+                    n: k.merge(
+                        self.states[f][n], k.rescale(other.states[f][n], ratio, count_ratio)
+                    )
+                    for n in self.names
+                }
                 for f, k in self.kinds.items()
             },
-            grad={n: self.grad[n] + other.grad[n] for n in self.names},
+            grad={n: self.grad[n] + other.grad[n] * ratio for n in self.names},
             model_fingerprint=self.model_fingerprint,
             signature=self.signature if self.signature is not None else other.signature,
             stream_total=self.stream_total,
+            ref_scale=self.ref_scale,
+            ref_count=self.ref_count,
         )
         if self.stream_total is not None or other.stream_total is not None:
             streamed = {t for t in (self.stream_total, other.stream_total) if t is not None}
@@ -286,13 +300,25 @@ def accumulate(
     states: dict[str, dict[str, Any]] = {f: dict.fromkeys(names) for f in kinds}
     grads: dict[str, Any] = dict.fromkeys(names)
     nu_total, samples, batches, signature = 0.0, 0, 0, None
+    ref_scale, ref_count = None, None
     for batch in sweep(data, progress, "accumulate", num_samples):
         for _, p in params:
             p.grad = None
         with torch.enable_grad():
             output = model(batch.X)
             nu = batch_normaliser(lossfunc, output, batch.y, normaliser)
-            info = BatchScale(batch.index, scale_of(nu, reduction), batch.num_samples, stream_total)
+            scale = nu if reduction == "mean" else 1.0
+            if ref_scale is None and scale != 0:
+                ref_scale = scale
+            if ref_count is None:
+                ref_count = batch.num_samples
+            info = BatchScale(
+                index=batch.index,
+                scale=scale / (ref_scale or 1.0),
+                num_samples=batch.num_samples,
+                count_scale=batch.num_samples / ref_count,
+                stream_total=None if stream_total is None else stream_total / (ref_scale or 1.0),
+            )
             if reduction == "mean" and nu == 0:
                 for name, p in params:
                     for f, kind in kinds.items():
@@ -330,6 +356,8 @@ def accumulate(
         model_fingerprint=before,
         signature=signature,
         stream_total=stream_total,
+        ref_scale=ref_scale or 1.0,
+        ref_count=ref_count,
     )
     if write:
         result.write(model)
