@@ -242,7 +242,8 @@ class GGN(_DataOperator):
         num_samples: Custom `X -> number of samples`.
 
     Cost: a product with K columns is one sweep: per batch one forward, K Jacobian-vector
-    products, K loss-Hessian products and K vector-Jacobian products (vmapped).
+    products, K loss-Hessian products and K vector-Jacobian products (vmapped), like
+    `ggn_vector_product` of `backpack.hessianfree` for K vectors at once.
     `diagonal()` is exact, from one `accumulate(DiagGGNExact())` sweep.
     """
 
@@ -283,12 +284,12 @@ class GGN(_DataOperator):
             nu = self._nu(output, batch.y)
             if self.reduction == "mean" and nu == 0:
                 return None, nu
-            grad_out = grad(lambda o: self.lossfunc(o, batch.y))
+            # the loss Hessian w.r.t. the output is symmetric: products by reverse-over-reverse
+            _, loss_hessian = vjp(grad(lambda o: self.lossfunc(o, batch.y)), output)
 
             def column(tangent):
                 _, jv = jvp(f, (params,), (tangent,))
-                _, hjv = jvp(grad_out, (output,), (jv,))
-                return vjp_fn(hjv)[0]
+                return vjp_fn(loss_hessian(jv)[0])[0]
 
             out = self._columns(V, vmap(column))
         return out * self._scale(nu), nu
@@ -346,8 +347,8 @@ class Hessian(_DataOperator):
 
     Args: as `GGN` (without `mc_samples`, `seed`).
 
-    Cost: a product with K columns is one sweep: per batch a forward, a backward and K
-    forward-over-reverse Hessian-vector products (vmapped). `diagonal()` is exact: one
+    Cost: a product with K columns is one sweep: per batch a forward and backward with
+    `create_graph` and K reverse-over-reverse Hessian-vector products (vmapped). `diagonal()` is exact: one
     `accumulate(DiagHessian())` sweep where backpack supports the model's layers, otherwise
     `P` Hessian-vector products (with a warning).
     """
@@ -365,9 +366,11 @@ class Hessian(_DataOperator):
                     nu = self._nu(self.model(batch.X), batch.y)
                 if nu == 0:
                     return None, nu
-            gradient = grad(loss_of)
             with torch.enable_grad():
-                out = self._columns(V, vmap(lambda t: jvp(gradient, (params,), (t,))[1]))
+                # symmetric: Hessian-vector products by reverse-over-reverse (forward-over-reverse
+                # trips over torch's zero tangents of some losses' targets, e.g. MSELoss)
+                _, hvp = vjp(grad(loss_of), params)
+                out = self._columns(V, vmap(lambda t: hvp(t)[0]))
         return out * self._scale(nu), nu
 
     def diagonal(self) -> Tensor:
