@@ -8,7 +8,8 @@ The data-set loss of a sweep over batches b with losses `L_b` is
   if any; the number of entries of an elementwise loss) and `ν = Σ_b ν_b`.
 
 So a quantity that depends on the reduction factor `R` to the power `k` is brought to the scale of
-`reduction="sum"` by multiplying batch b's value by `ν_b^k`, summed, and divided by `ν^k` at the end.
+`reduction="sum"` by multiplying batch b's value by `ν_b^k`, summed, and divided by `ν^k` at the
+end.
 """
 
 from __future__ import annotations

@@ -144,7 +144,9 @@ class Rows(Kind):
                 f"Batch {batch.index} has no loss term (all targets ignored); {self.savefield} "
                 "cannot give it rows."
             )
-        shape = (batch.num_samples,) + ((tuple(param.shape)) if self.savefield != "batch_l2" else ())
+        shape = (batch.num_samples,) + (
+            (tuple(param.shape)) if self.savefield != "batch_l2" else ()
+        )
         zeros = torch.zeros(shape, dtype=param.dtype, device=param.device)
         return self.add(state, zeros, batch, name, None)
 
@@ -299,8 +301,7 @@ def kind_of(extension: BackpropExtension) -> Kind:
     if isinstance(extension, (SqrtGGNExact, SqrtGGNMC)):
         return Rows(field, power=0.5, dim=1)
     raise NotImplementedError(
-        f"accumulate does not know how {type(extension).__name__} ({field}) combines over "
-        "batches."
+        f"accumulate does not know how {type(extension).__name__} ({field}) combines over batches."
     )
 
 

@@ -136,9 +136,7 @@ class Accumulated:
             kinds=self.kinds,
             states={
                 f: {
-                    n: k.merge(
-                        self.states[f][n], k.rescale(other.states[f][n], ratio, count_ratio)
-                    )
+                    n: k.merge(self.states[f][n], k.rescale(other.states[f][n], ratio, count_ratio))
                     for n in self.names
                 }
                 for f, k in self.kinds.items()

@@ -23,9 +23,7 @@ def _info(op: Any) -> tuple[int, torch.dtype, torch.device]:
     return op.shape[0], op.dtype, op.device
 
 
-def _random(
-    size: int, columns: int, seed: int, distribution: str, dtype, device
-) -> Tensor:
+def _random(size: int, columns: int, seed: int, distribution: str, dtype, device) -> Tensor:
     generator = torch.Generator().manual_seed(seed)
     if distribution == "rademacher":
         v = torch.randint(0, 2, (size, columns), generator=generator).to(torch.float64) * 2 - 1

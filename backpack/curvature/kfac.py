@@ -228,9 +228,7 @@ class KFAC(CurvatureOperator):
 
     def diagonal(self) -> Tensor:
         """The diagonal: `diag(G) ⊗ diag(A)` per block."""
-        return torch.cat(
-            [self._diag_of(b, [f.diagonal() for f in b.factors]) for b in self.blocks]
-        )
+        return torch.cat([self._diag_of(b, [f.diagonal() for f in b.factors]) for b in self.blocks])
 
     def trace(self) -> Tensor:
         """The trace: `Σ tr(G) tr(A)` over the blocks."""
@@ -255,9 +253,7 @@ class KFAC(CurvatureOperator):
 
     def logdet(self, damping: float = 0.0) -> Tensor:
         """`log det(K + damping·I)` from the factors' eigenvalues (-inf if singular)."""
-        return torch.cat(
-            [(b.eigenvalues().flatten() + damping).log() for b in self.blocks]
-        ).sum()
+        return torch.cat([(b.eigenvalues().flatten() + damping).log() for b in self.blocks]).sum()
 
 
 class KFACInverse(CurvatureOperator):

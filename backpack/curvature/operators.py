@@ -348,9 +348,9 @@ class Hessian(_DataOperator):
     Args: as `GGN` (without `mc_samples`, `seed`).
 
     Cost: a product with K columns is one sweep: per batch a forward and backward with
-    `create_graph` and K reverse-over-reverse Hessian-vector products (vmapped). `diagonal()` is exact: one
-    `accumulate(DiagHessian())` sweep where backpack supports the model's layers, otherwise
-    `P` Hessian-vector products (with a warning).
+    `create_graph` and K reverse-over-reverse Hessian-vector products (vmapped).
+    `diagonal()` is exact: one `accumulate(DiagHessian())` sweep where backpack supports the
+    model's layers, otherwise `P` Hessian-vector products (with a warning).
     """
 
     def _batch_product(self, batch, V):  # noqa: D102

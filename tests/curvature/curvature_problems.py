@@ -6,8 +6,8 @@ sample's loss with reduction="sum", divided by the data set's normaliser ν for 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -73,9 +73,7 @@ def _mlp_mse():
 
 
 def _cnn():
-    return nn.Sequential(
-        nn.Conv2d(1, 2, 3), nn.Tanh(), nn.Flatten(), nn.Linear(2 * 3 * 3, 3)
-    )
+    return nn.Sequential(nn.Conv2d(1, 2, 3), nn.Tanh(), nn.Flatten(), nn.Linear(2 * 3 * 3, 3))
 
 
 def make_problems() -> dict[str, Problem]:
@@ -156,9 +154,7 @@ class Reference:
 
     def per_sample_grads(self) -> Tensor:
         """[N, P]: gradients of the samples' terms."""
-        return torch.stack(
-            [jacrev(self.term)(self.theta, i) for i in range(self.problem.N)]
-        )
+        return torch.stack([jacrev(self.term)(self.theta, i) for i in range(self.problem.N)])
 
     def gradient(self) -> Tensor:
         return jacrev(self.loss)(self.theta)
@@ -175,8 +171,9 @@ class Reference:
             X = self.problem.X[i : i + 1]
             Y = self.problem.targets(self.problem.Y[i : i + 1])
             f = self.output(self.theta, X)
-            J = jacrev(lambda t: self.output(t, X))(self.theta).reshape(f.numel(), -1)
-            H = hessian(lambda o: self.sum_loss(o, Y) / self.nu)(f).reshape(f.numel(), f.numel())
+            J = jacrev(lambda t, X=X: self.output(t, X))(self.theta).reshape(f.numel(), -1)
+            H = hessian(lambda o, Y=Y: self.sum_loss(o, Y) / self.nu)(f)
+            H = H.reshape(f.numel(), f.numel())
             out.append(J.T @ H @ J)
         return torch.stack(out)
 

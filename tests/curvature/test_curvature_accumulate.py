@@ -127,17 +127,17 @@ def test_kflr_equals_the_concatenated_data_set(name, reduction, approx):
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_kflr_brute_force_factors(reduction):
-    """Last layer: G = Σ_n Hessian of sample n's term w.r.t. the logits; first layer: A = E[x xᵀ]."""
+    """Last layer: G = Σ_n Hessian of sample n's term w.r.t. the logits; first: A = E[x xᵀ]."""
     problem = PROBLEMS["mlp_ce"]
     model = problem.model()
     result = accumulate(model, problem.make_loss(reduction), problem.batches(SIZES), KFLR())
     ref = Reference(problem, model, reduction)
     logits = model(problem.X).detach()
     loss = problem.make_loss("sum")
-    H = sum(
-        torch.func.hessian(lambda o: loss(o, problem.Y[i : i + 1]) / ref.nu)(logits[i : i + 1])[0, :, 0]
-        for i in range(problem.N)
-    )
+    H = 0
+    for i in range(problem.N):
+        term = lambda o, i=i: loss(o, problem.Y[i : i + 1]) / ref.nu  # noqa: E731
+        H = H + torch.func.hessian(term)(logits[i : i + 1])[0, :, 0]
     close(result["kflr"]["2.weight"][0], H)
     close(result["kflr"]["2.bias"][0], H)
     close(result["kflr"]["0.weight"][1], problem.X.T @ problem.X / problem.N)
@@ -243,7 +243,9 @@ def test_callback_streams_rows(give_total):
         model, lossfunc, batches, [BatchGrad(), BatchL2Grad()], callback=callback, total=total
     )
     assert result["grad_batch"]["lin.weight"] is None
-    ref = Reference(problem, model, "mean").split(Reference(problem, model, "mean").per_sample_grads())
+    ref = Reference(problem, model, "mean").split(
+        Reference(problem, model, "mean").per_sample_grads()
+    )
     assert [i for i, _ in streamed["lin.weight"]] == [0, 0, 1, 1, 2, 2]
     rows = torch.cat([v for _, v in streamed["lin.weight"] if v.dim() == 3])
     close(rows, ref["lin.weight"])
@@ -319,7 +321,9 @@ def test_write_false_keeps_the_gradients():
     model = problem.model()
     for p in model.parameters():
         p.grad = torch.ones_like(p)
-    accumulate(model, problem.make_loss("mean"), problem.batches(SIZES), DiagGGNExact(), write=False)
+    accumulate(
+        model, problem.make_loss("mean"), problem.batches(SIZES), DiagGGNExact(), write=False
+    )
     for p in model.parameters():
         assert torch.equal(p.grad, torch.ones_like(p))
         assert not hasattr(p, "diag_ggn_exact")

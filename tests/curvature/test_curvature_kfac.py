@@ -8,8 +8,8 @@ from curvature_problems import PROBLEMS, Reference
 from torch import nn
 
 from backpack.curvature import KFAC, accumulate
-from backpack.extensions import KFLR
 from backpack.extensions import KFAC as KFACExtension
+from backpack.extensions import KFLR
 from backpack.utils.kroneckers import kfacs_to_mat
 
 SIZES = [4, 4, 3]
