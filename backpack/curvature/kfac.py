@@ -16,7 +16,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from backpack.curvature._data import Normaliser, trainable
+from backpack.api import disable
+from backpack.curvature._data import (
+    Normaliser,
+    batch_normaliser,
+    first_tensor,
+    reduction_of,
+    trainable,
+)
 from backpack.curvature.accumulate import accumulate
 from backpack.curvature.operators import CurvatureOperator
 from backpack.extensions import KFAC as KFACExtension
@@ -113,6 +120,62 @@ def _orientation(name: str, p: Tensor, factors: list[Tensor], owner: nn.Module |
     return fits[0]
 
 
+class _GradientProjection(nn.Module):
+    """`u_n = g_nᵀ f_n`: the model's output of sample n times the (fixed) gradient of its loss.
+
+    With `L' = Σ_n u_n²` (`MSELoss(reduction="sum")` against zeros), the exact loss-Hessian
+    factor at `u` is `√2`, so backpack's `KFLR` of `L'` backpropagates `√2 g_n` from the output:
+    its `G` is twice the sum of the outer products of the per-sample loss gradients w.r.t. each
+    layer's output (its `A` does not depend on the loss). That is the empirical-Fisher `G`.
+    """
+
+    def __init__(self, model, lossfunc, normaliser, num_samples) -> None:
+        super().__init__()
+        self.inner = model
+        self.lossfunc = lossfunc
+        self.normaliser = normaliser
+        self.num_samples = num_samples
+        self.reduction = reduction_of(lossfunc, normaliser)
+        self.total = 0.0
+
+    def forward(self, inputs):  # noqa: D102
+        X, y = inputs
+        f = self.inner(X)
+        nu = batch_normaliser(self.lossfunc, f, y, self.normaliser)
+        self.total += nu
+        with torch.enable_grad(), disable():
+            detached = f.detach().requires_grad_()
+            (g,) = torch.autograd.grad(self.lossfunc(detached, y), detached)
+        if self.reduction == "mean":
+            g = g * nu  # gradients of the samples' unreduced losses
+        n = self.num_samples(X) if self.num_samples is not None else first_tensor(X).shape[0]
+        return (f * g).reshape(n, -1).sum(1, keepdim=True)
+
+
+def _empirical_factors(model, lossfunc, data, extension, progress, normaliser, num_samples):
+    """`[G, A]` of the empirical Fisher `R Σ_n ∇ℓ_n ∇ℓ_nᵀ` (see `_GradientProjection`)."""
+    wrapper = _GradientProjection(model, lossfunc, normaliser, num_samples)
+    dtype = next(p for p in model.parameters() if p.requires_grad).dtype
+
+    def projected():
+        for X, y in data:
+            n = num_samples(X) if num_samples is not None else first_tensor(X).shape[0]
+            target = torch.zeros(n, 1, dtype=dtype, device=first_tensor(X).device)
+            yield (X, y), target
+
+    result = accumulate(
+        wrapper,
+        nn.MSELoss(reduction="sum"),
+        projected(),
+        [extension],
+        progress=progress,
+        write=False,
+    )
+    scale = 2 * (wrapper.total if wrapper.reduction == "mean" else 1.0)
+    factors = result.quantity(extension.savefield)
+    return {name[len("inner.") :]: [f[0] / scale, *f[1:]] for name, f in factors.items()}
+
+
 class KFAC(CurvatureOperator):
     """Kronecker-factored curvature of a data set, block diagonal over the parameters.
 
@@ -122,7 +185,8 @@ class KFAC(CurvatureOperator):
         data: Iterable of `(X, y)` batches (swept once, here).
         fisher_type: "type-2": `G` from the exact loss-Hessian factor (backpack's `KFLR`, the
             Kronecker approximation of the GGN); "mc": from `mc_samples` sampled labels per
-            sample (backpack's `KFAC`). "empirical" is not available yet.
+            sample (backpack's `KFAC`); "empirical": from the gradients of the samples' own
+            losses (the Kronecker approximation of `EmpiricalFisher`, one backpropagated column).
         kfac_approx: "expand" or "reduce": the convention for layers sharing their weight over
             positions (sequences, convolutions), see the docs' "Transformers" page.
         mc_samples: Number of sampled labels for "mc".
@@ -157,10 +221,7 @@ class KFAC(CurvatureOperator):
         elif fisher_type == "mc":
             extension = KFACExtension(mc_samples=mc_samples, kfac_approx=kfac_approx)
         elif fisher_type == "empirical":
-            raise NotImplementedError(
-                "KFAC(fisher_type='empirical') is not implemented yet; use 'type-2' or 'mc', or "
-                "EmpiricalFisher for the exact empirical Fisher."
-            )
+            extension = KFLR(kfac_approx=kfac_approx)
         else:
             raise ValueError(
                 f"fisher_type must be 'type-2', 'mc' or 'empirical', got {fisher_type!r}."
@@ -168,19 +229,24 @@ class KFAC(CurvatureOperator):
         self.fisher_type = fisher_type
         self.kfac_approx = kfac_approx
         devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)
-            self.result = accumulate(
-                model,
-                lossfunc,
-                data,
-                [extension],
-                progress=progress,
-                normaliser=normaliser,
-                num_samples=num_samples,
-                write=False,
+        if fisher_type == "empirical":
+            factors = _empirical_factors(
+                model, lossfunc, data, extension, progress, normaliser, num_samples
             )
-        factors = self.result.quantity(extension.savefield)
+        else:
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(seed)
+                result = accumulate(
+                    model,
+                    lossfunc,
+                    data,
+                    [extension],
+                    progress=progress,
+                    normaliser=normaliser,
+                    num_samples=num_samples,
+                    write=False,
+                )
+            factors = result.quantity(extension.savefield)
         owners = {}
         for module in model.modules():
             for p in module.parameters(recurse=False):

@@ -67,7 +67,7 @@ def test_one_sample_blocks_are_the_exact_ggn_blocks(reduction):
 
 
 @pytest.mark.parametrize("approx", ["expand", "reduce"])
-@pytest.mark.parametrize("fisher", ["type-2", "mc"])
+@pytest.mark.parametrize("fisher", ["type-2", "mc", "empirical"])
 @pytest.mark.parametrize("name", ["mlp_ce", "cnn_ce", "token_ce"])
 def test_closed_forms(name, fisher, approx):
     problem = PROBLEMS[name]
@@ -111,6 +111,33 @@ def test_closed_forms(name, fisher, approx):
     close(inverse.logdet(), -torch.logdet(damped), atol=1e-9)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_empirical_one_sample_blocks_are_the_empirical_fisher_blocks(reduction):
+    torch.manual_seed(0)
+    model = Mixed().double()
+    X, y = torch.tensor([[2]]), torch.tensor([1])
+    op = KFAC(model, nn.CrossEntropyLoss(reduction=reduction), [(X, y)], fisher_type="empirical")
+    from curvature_problems import Problem
+
+    problem = Problem("one", Mixed, lambda r: nn.CrossEntropyLoss(reduction=r), X, y)
+    ref = Reference(problem, model, reduction)
+    close(op.to_dense(), block_diagonal(ref.empirical_fisher(), ref.numels))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("fisher", ["type-2", "empirical"])
+@pytest.mark.parametrize("name", ["mlp_mse", "cnn_ce", "token_ce"])
+def test_batches_give_the_factors_of_the_whole_data_set(name, fisher, reduction):
+    problem = PROBLEMS[name]
+    model = problem.model()
+    lossfunc = problem.make_loss(reduction)
+    batched = KFAC(model, lossfunc, problem.batches(SIZES), fisher_type=fisher)
+    whole = KFAC(model, lossfunc, problem.batches([problem.N]), fisher_type=fisher)
+    for pname in batched.names:
+        for a, b in zip(batched.factors[pname], whole.factors[pname]):
+            close(a, b)
+
+
 def test_mc_is_seeded_and_unbiased():
     problem = PROBLEMS["mlp_ce"]
     model = problem.model()
@@ -132,8 +159,6 @@ def test_kfac_errors():
     lossfunc = problem.make_loss("mean")
     with pytest.raises(ValueError, match="fisher_type"):
         KFAC(model, lossfunc, problem.batches(SIZES), fisher_type="true")
-    with pytest.raises(NotImplementedError, match="empirical"):
-        KFAC(model, lossfunc, problem.batches(SIZES), fisher_type="empirical")
     op = KFAC(model, lossfunc, problem.batches(SIZES))
     with pytest.raises(ValueError, match="damping"):
         op.inverse(-1.0)
