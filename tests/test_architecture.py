@@ -51,6 +51,8 @@ FLOORS = {
     "backpack.plotting": 8,
     "backpack.tour": 8,
     "backpack.__main__": 8,
+    # the data-set layer: built on the user API only (extend, backpack(...), extensions)
+    "backpack.curvature": 8,
     "backpack": 8,
 }
 

@@ -27,6 +27,7 @@ RUNNABLE_PAGES = [
     "good-to-know.md",
     "residual-networks.md",
     "transformers.md",
+    "curvature.md",
     "verify.md",
 ]
 

@@ -1,0 +1,36 @@
+"""Curvature of a data set: quantities accumulated over batches, linear operators, estimators.
+
+- `accumulate(model, lossfunc, data, extensions)`: each extension's quantity of the data-set loss
+  (one backward per batch), as an `Accumulated` result that merges with other sweeps.
+- Operators over a data set: `GGN`, `Hessian`, `EmpiricalFisher` (exact products, batched over
+  columns) and `KFAC` (Kronecker-factored, closed-form inverse and log-determinant).
+- Estimators on any symmetric operator: `eigvalsh`, `hutchinson_trace`, `hutchinson_diagonal`,
+  `hutchpp_trace`.
+
+This is the data-set layer: it is built only on `extend` and `backpack(...)`.
+"""
+
+from backpack.curvature.accumulate import Accumulated, accumulate
+from backpack.curvature.estimators import (
+    eigvalsh,
+    hutchinson_diagonal,
+    hutchinson_trace,
+    hutchpp_trace,
+)
+from backpack.curvature.kfac import KFAC, KFACInverse
+from backpack.curvature.operators import GGN, CurvatureOperator, EmpiricalFisher, Hessian
+
+__all__ = [
+    "accumulate",
+    "Accumulated",
+    "CurvatureOperator",
+    "GGN",
+    "Hessian",
+    "EmpiricalFisher",
+    "KFAC",
+    "KFACInverse",
+    "eigvalsh",
+    "hutchinson_trace",
+    "hutchinson_diagonal",
+    "hutchpp_trace",
+]

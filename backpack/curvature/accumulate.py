@@ -1,0 +1,385 @@
+"""`accumulate`: extension quantities of a whole data set, one backward per batch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from backpack.api import backpack, disable, extend
+from backpack.curvature._data import (
+    Normaliser,
+    batch_normaliser,
+    fingerprint,
+    needs_reiterable,
+    reduction_of,
+    sweep,
+    trainable,
+)
+from backpack.curvature._quantities import (
+    BatchScale,
+    Callback,
+    GradKind,
+    Kind,
+    Rows,
+    isclose,
+    kind_of,
+)
+from backpack.extensions.backprop_extension import BackpropExtension
+
+__all__ = ["accumulate", "Accumulated"]
+
+
+@dataclass
+class Accumulated:
+    """Partial or complete result of a sweep: states at the scale of `reduction="sum"`.
+
+    Attributes:
+        reduction: The loss's reduction, "mean" or "sum".
+        total: `ν = Σ_b ν_b`, the data-set loss's normaliser ("mean" divides by it; for "sum" it
+            is the number of batches' `1`s and is not used).
+        num_samples: Number of samples swept.
+        num_batches: Number of batches swept.
+        names: Names of the trainable parameters, in `model.parameters()` order.
+        stream_total: The normaliser per-sample rows were streamed with (callback mode).
+        ref_scale: `s_ref`, the first batch's scale (states are relative to it).
+        ref_count: `N_ref`, the first batch's number of samples.
+    """
+
+    reduction: str
+    total: float
+    num_samples: int
+    num_batches: int
+    names: list[str]
+    kinds: dict[str, Kind]
+    states: dict[str, dict[str, Any]]
+    grad: dict[str, Tensor]
+    model_fingerprint: tuple
+    signature: Any = None
+    stream_total: float | None = None
+    ref_scale: float = 1.0
+    ref_count: int = 1
+
+    @property
+    def normaliser(self) -> float:
+        """What the data-set loss divides the summed terms by: `ν` for "mean", 1 for "sum"."""
+        return self.total if self.reduction == "mean" else 1.0
+
+    def _relative(self) -> tuple[float, float]:
+        """`ν / s_ref` and `N / N_ref`: the divisors of the relative states."""
+        total = self.total / self.ref_scale if self.reduction == "mean" else 1.0
+        return total, self.num_samples / self.ref_count
+
+    @property
+    def savefields(self) -> list[str]:
+        """The attributes this result holds, one per extension."""
+        return list(self.kinds)
+
+    def quantity(self, savefield: str) -> dict[str, Any]:
+        """`{parameter name: value}` of one extension's quantity of the data-set loss.
+
+        Per-sample quantities streamed to a callback are `None`.
+        """
+        if savefield not in self.kinds:
+            raise KeyError(f"No {savefield!r} in this result; it holds {self.savefields}.")
+        kind = self.kinds[savefield]
+        total, count = self._relative()
+        return {name: kind.final(self.states[savefield][name], total, count) for name in self.names}
+
+    def __getitem__(self, savefield: str) -> dict[str, Any]:
+        return self.quantity(savefield)
+
+    def gradient(self) -> dict[str, Tensor]:
+        """`{parameter name: gradient of the data-set loss}`."""
+        total, _ = self._relative()
+        return {name: self.grad[name] / total for name in self.names}
+
+    def merge(self, other: Accumulated) -> Accumulated:
+        """The result of both sweeps together (exact: resume a sweep, or combine shards).
+
+        Per-sample rows are concatenated, self's first.
+
+        Raises:
+            ValueError: If the sweeps differ in their model's parameters, extensions, reduction
+                or batch shapes, or streamed rows with a normaliser the merged total contradicts.
+        """
+        if self.model_fingerprint != other.model_fingerprint:
+            raise ValueError(
+                "Cannot merge sweeps of different models: the parameters changed between the "
+                "two sweeps (or the models differ)."
+            )
+        if list(self.kinds) != list(other.kinds):
+            raise ValueError(
+                f"Cannot merge sweeps of different extensions: {self.savefields} and "
+                f"{other.savefields}."
+            )
+        if self.reduction != other.reduction:
+            raise ValueError(
+                f"Cannot merge a reduction={self.reduction!r} sweep with a "
+                f"reduction={other.reduction!r} one."
+            )
+        if self.signature is not None and other.signature not in (None, self.signature):
+            raise ValueError(
+                f"Cannot merge sweeps over batches of different shapes: {self.signature} and "
+                f"{other.signature}."
+            )
+        ratio, count_ratio = other.ref_scale / self.ref_scale, other.ref_count / self.ref_count
+        merged = Accumulated(
+            reduction=self.reduction,
+            total=self.total + other.total,
+            num_samples=self.num_samples + other.num_samples,
+            num_batches=self.num_batches + other.num_batches,
+            names=list(self.names),
+            kinds=self.kinds,
+            states={
+                f: {
+                    n: k.merge(self.states[f][n], k.rescale(other.states[f][n], ratio, count_ratio))
+                    for n in self.names
+                }
+                for f, k in self.kinds.items()
+            },
+            grad={n: self.grad[n] + other.grad[n] * ratio for n in self.names},
+            model_fingerprint=self.model_fingerprint,
+            signature=self.signature if self.signature is not None else other.signature,
+            stream_total=self.stream_total,
+            ref_scale=self.ref_scale,
+            ref_count=self.ref_count,
+        )
+        if self.stream_total is not None or other.stream_total is not None:
+            streamed = {t for t in (self.stream_total, other.stream_total) if t is not None}
+            if len(streamed) > 1 or not isclose(streamed.pop(), merged.normaliser):
+                raise ValueError(
+                    "Per-sample rows were streamed normalised by "
+                    f"{self.stream_total} and {other.stream_total}, but the merged data set's "
+                    f"normaliser is {merged.normaliser}: pass total=<data-set normaliser> to "
+                    "every partial sweep."
+                )
+        return merged
+
+    def write(self, model: nn.Module, grad: bool = True) -> None:
+        """Store the quantities on `model`'s trainable parameters (and `.grad` unless False).
+
+        Raises:
+            ValueError: If `model`'s trainable parameters are not those swept.
+        """
+        params = trainable(model)
+        if [name for name, _ in params] != self.names:
+            raise ValueError(
+                "The model's trainable parameters are not those of the sweep: "
+                f"{[name for name, _ in params]} vs. {self.names}."
+            )
+        values = {f: self.quantity(f) for f in self.kinds}
+        gradient = self.gradient() if grad else None
+        for name, p in params:
+            for f in self.kinds:
+                if values[f][name] is not None:
+                    setattr(p, f, values[f][name])
+            if gradient is not None:
+                p.grad = gradient[name].detach().clone()
+
+
+def _extensions(extensions: BackpropExtension | Sequence[BackpropExtension]) -> dict[str, Kind]:
+    if isinstance(extensions, BackpropExtension):
+        extensions = [extensions]
+    kinds: dict[str, Kind] = {}
+    for ext in extensions:
+        if not isinstance(ext, BackpropExtension):
+            raise ValueError(
+                f"accumulate needs extension instances (e.g. DiagGGNExact()), got {ext!r}."
+            )
+        if ext.savefield in kinds:
+            raise ValueError(f"Two extensions write {ext.savefield!r}.")
+        kinds[ext.savefield] = kind_of(ext)
+    return kinds
+
+
+def count_normaliser(
+    model: nn.Module,
+    lossfunc: Any,
+    data: Iterable,
+    normaliser: Normaliser | None = None,
+    num_samples: Callable[[Any], int] | None = None,
+) -> float:
+    """ν of a data set: one forward pass per batch without gradients (for streaming rows).
+
+    Args:
+        model: The model.
+        lossfunc: The loss function.
+        data: Re-iterable `(X, y)` batches.
+        normaliser: Custom `(output, y) -> ν_b`.
+        num_samples: Custom `X -> number of samples`.
+
+    Returns:
+        `Σ_b ν_b` (the number of batches for `reduction="sum"`, whose normaliser is 1).
+    """
+    total = 0.0
+    with torch.no_grad(), disable():
+        for batch in sweep(data, num_samples=num_samples):
+            total += batch_normaliser(lossfunc, model(batch.X), batch.y, normaliser)
+    return total
+
+
+def accumulate(
+    model: nn.Module,
+    lossfunc: Any,
+    data: Iterable,
+    extensions: BackpropExtension | Sequence[BackpropExtension],
+    progress: bool = False,
+    callback: Callback | None = None,
+    total: float | None = None,
+    normaliser: Normaliser | None = None,
+    num_samples: Callable[[Any], int] | None = None,
+    write: bool = True,
+) -> Accumulated:
+    """Extension quantities of the data-set loss: one backward per batch of `data`.
+
+    The data-set loss is the sum of all samples' terms for `reduction="sum"`, their mean (over
+    every non-ignored target, with class weights: divided by the sum of the targets' weights)
+    for `reduction="mean"`, as if the whole data set were one batch. Afterwards every trainable
+    parameter holds each extension's quantity of that loss under its usual attribute, and
+    `.grad` holds its gradient. See the docs page "Curvature of a data set" for each
+    extension's definition over batches (the variance is the one over all samples; `KFAC`'s and
+    `KFLR`'s `A` averages all inputs, `G` sums with the loss's factor).
+
+    Args:
+        model: The model; `extend`-ed here if it is not yet.
+        lossfunc: The loss (a torch loss module with reduction "mean" or "sum"; `extend`-ed here).
+        data: Any iterable of `(X, y)` batches, e.g. a `DataLoader`. Batches may differ in their
+            number of samples, nothing else.
+        extensions: One extension instance or several.
+        progress: Show a progress bar (needs tqdm).
+        callback: Stream per-sample quantities (`BatchGrad`, `BatchL2Grad`, `BatchDiag*`,
+            `SqrtGGN*`) instead of keeping them: called with `(batch_index, param_name, value)`,
+            `value` being that batch's rows of the data-set loss's quantity.
+        total: The data-set normaliser ν that streamed rows are divided by for
+            `reduction="mean"`. Default: counted with a forward pass over `data` first.
+        normaliser: Custom `(output, y) -> ν_b` for losses the library does not know.
+        num_samples: Custom `X -> number of samples` (default: first axis of the first tensor).
+        write: Store the quantities and `.grad` on the parameters (`result.write(model)`); with
+            False the parameters keep their `.grad` from before the call and get no attribute.
+
+    Returns:
+        An `Accumulated` result (mergeable with another sweep's, and `write`-able to a model).
+
+    Raises:
+        ValueError: For an empty `data`, batches of changing shapes, parameters changed during
+            the sweep, or an extension that cannot be combined over batches.
+        NotImplementedError: For `BatchDotGrad`, `KFRA` and the matrix-product extensions.
+    """
+    kinds = _extensions(extensions)
+    exts = [extensions] if isinstance(extensions, BackpropExtension) else list(extensions)
+    reduction = reduction_of(lossfunc, normaliser)
+    stream_total = None
+    if callback is not None:
+        if reduction == "sum":
+            stream_total = 1.0
+        elif total is not None:
+            stream_total = float(total)
+        else:
+            needs_reiterable(data, "accumulate(callback=...) without total=")
+            stream_total = count_normaliser(model, lossfunc, data, normaliser, num_samples)
+        for kind in kinds.values():
+            if isinstance(kind, Rows):
+                kind.callback = callback
+    if isinstance(model, nn.Module):
+        extend(model)
+    if isinstance(lossfunc, nn.Module):
+        extend(lossfunc)
+    params = trainable(model)
+    if not params:
+        raise ValueError("The model has no trainable parameter.")
+    names = [name for name, _ in params]
+    before = fingerprint(model)
+    saved_grads = [p.grad for _, p in params]
+    grad_kind = GradKind()
+    states: dict[str, dict[str, Any]] = {f: dict.fromkeys(names) for f in kinds}
+    grads: dict[str, Any] = dict.fromkeys(names)
+    nu_total, samples, batches, signature = 0.0, 0, 0, None
+    ref_scale, ref_count = None, None
+    for batch in sweep(data, progress, "accumulate", num_samples):
+        for _, p in params:
+            p.grad = None
+        with torch.enable_grad():
+            output = model(batch.X)
+            nu = batch_normaliser(lossfunc, output, batch.y, normaliser)
+            scale = nu if reduction == "mean" else 1.0
+            if ref_scale is None and scale != 0:
+                ref_scale = scale
+            if ref_count is None:
+                ref_count = batch.num_samples
+            info = BatchScale(
+                index=batch.index,
+                scale=scale / (ref_scale or 1.0),
+                num_samples=batch.num_samples,
+                count_scale=batch.num_samples / ref_count,
+                stream_total=None if stream_total is None else stream_total / (ref_scale or 1.0),
+            )
+            if reduction == "mean" and nu == 0:
+                for name, p in params:
+                    for f, kind in kinds.items():
+                        states[f][name] = kind.skip(states[f][name], info, name, p)
+            else:
+                loss = lossfunc(output, batch.y)
+                with backpack(*exts, sync=False):
+                    loss.backward()
+                _collect(params, kinds, states, grads, grad_kind, info)
+        del output
+        nu_total += nu
+        samples += batch.num_samples
+        batches += 1
+        if signature is None:
+            signature = batch.signature
+    if fingerprint(model) != before:
+        raise ValueError("The model's parameters changed during the sweep.")
+    if stream_total is not None and reduction == "mean" and not isclose(stream_total, nu_total):
+        raise ValueError(
+            f"Rows were streamed divided by total={stream_total}, but the data set's normaliser "
+            f"is {nu_total} (a loader that drops or reshuffles targets between sweeps?)."
+        )
+    for name, p in params:
+        if grads[name] is None:  # only batches without loss terms
+            grads[name] = torch.zeros_like(p)
+    result = Accumulated(
+        reduction=reduction,
+        total=nu_total,
+        num_samples=samples,
+        num_batches=batches,
+        names=names,
+        kinds=kinds,
+        states=states,
+        grad=grads,
+        model_fingerprint=before,
+        signature=signature,
+        stream_total=stream_total,
+        ref_scale=ref_scale or 1.0,
+        ref_count=ref_count,
+    )
+    if write:
+        result.write(model)
+    else:
+        for (_, p), saved in zip(params, saved_grads):
+            p.grad = saved
+    return result
+
+
+def _collect(params, kinds, states, grads, grad_kind, info: BatchScale) -> None:
+    """Add one batch's quantities of every parameter to the states, then free them."""
+    for name, p in params:
+        if p.grad is None:
+            raise ValueError(
+                f"Parameter {name} got no gradient in batch {info.index}: accumulate needs "
+                "every trainable parameter to take part in the loss (freeze unused ones)."
+            )
+        grads[name] = grad_kind.add(grads[name], p.grad, info, name, None)
+        for f, kind in kinds.items():
+            value = getattr(p, f, None)
+            if value is None:
+                raise ValueError(
+                    f"Parameter {name} got no {f!r} in batch {info.index} (is its layer "
+                    "supported by this extension? see the warnings)."
+                )
+            states[f][name] = kind.add(states[f][name], value, info, name, p.grad)
+            delattr(p, f)

@@ -1,0 +1,354 @@
+"""`KFAC`: a block-diagonal, Kronecker-factored curvature operator of a data set.
+
+One block per trainable parameter: `G ⊗ A` for weights with Kronecker factors (as backpack's
+`KFLR`/`KFAC` extensions store them, accumulated over the data set by `accumulate`), one dense
+factor `B` for biases (`[G]`) and for parameters without a Kronecker rule. Products, the
+diagonal, the trace, the damped inverse `(G ⊗ A + λI)⁻¹` and the log-determinant are closed forms
+in the factors (the inverse and log-determinant from their eigendecompositions).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from backpack.api import disable
+from backpack.curvature._data import (
+    Normaliser,
+    batch_normaliser,
+    first_tensor,
+    reduction_of,
+    trainable,
+)
+from backpack.curvature.accumulate import accumulate
+from backpack.curvature.operators import CurvatureOperator
+from backpack.extensions import KFAC as KFACExtension
+from backpack.extensions import KFLR
+
+__all__ = ["KFAC", "KFACInverse"]
+
+#: modules whose weight's factors belong to `weight.transpose(0, 1)`
+_TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d, nn.Embedding)
+
+
+class _Block:
+    """One parameter's factors and how they act on its entries.
+
+    `factors` is `[G, A]` (the block is `G ⊗ A` on the row-major flattening of the parameter, or
+    of `parameter.transpose(0, 1)` when `transposed`) or `[B]` (dense on the flattening).
+    """
+
+    def __init__(self, name: str, shape: tuple, factors: list[Tensor], transposed: bool) -> None:
+        self.name = name
+        self.shape = shape
+        self.factors = factors
+        self.transposed = transposed
+        self._eig: list[tuple[Tensor, Tensor]] | None = None
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(f.shape[0] for f in self.factors)
+
+    def to_own(self, v: Tensor) -> Tensor:
+        """`[K, *shape]` → `[K, *sizes]` in the factors' coordinates."""
+        if self.transposed:
+            v = v.transpose(1, 2)
+        return v.reshape(v.shape[0], *self.sizes)
+
+    def from_own(self, w: Tensor) -> Tensor:
+        """Inverse of `to_own`."""
+        if self.transposed:
+            swapped = (self.shape[1], self.shape[0], *self.shape[2:])
+            return w.reshape(w.shape[0], *swapped).transpose(1, 2).reshape(w.shape[0], -1)
+        return w.reshape(w.shape[0], -1)
+
+    def apply(self, v: Tensor, mats: list[Tensor]) -> Tensor:
+        """`(M_0 ⊗ M_1) v` (or `M_0 v`) for `v` `[K, *shape]`, flattened `[K, numel]` out."""
+        w = self.to_own(v)
+        if len(mats) == 2:
+            w = mats[0] @ w @ mats[1].T
+        else:
+            w = w @ mats[0].T
+        return self.from_own(w)
+
+    def permutation(self) -> Tensor | None:
+        """Index `idx` with `param.flatten()[idx]` = the factors' flattening (None: identity)."""
+        if not self.transposed:
+            return None
+        numel = math.prod(self.shape)
+        return torch.arange(numel).reshape(self.shape).transpose(0, 1).flatten()
+
+    def eig(self) -> list[tuple[Tensor, Tensor]]:
+        """Eigenvalues (clamped at 0: the factors are PSD up to rounding) and eigenvectors."""
+        if self._eig is None:
+            self._eig = []
+            for f in self.factors:
+                values, vectors = torch.linalg.eigh((f + f.T) / 2)
+                self._eig.append((values.clamp(min=0), vectors))
+        return self._eig
+
+    def eigenvalues(self) -> Tensor:
+        """The block's eigenvalues (products of the factors' eigenvalues), in its coordinates."""
+        values = [v for v, _ in self.eig()]
+        return torch.outer(values[0], values[1]) if len(values) == 2 else values[0]
+
+
+def _orientation(name: str, p: Tensor, factors: list[Tensor], owner: nn.Module | None) -> bool:
+    """Whether the `[G, A]` factors of `p` belong to `p.transpose(0, 1)`."""
+    numel = p.numel()
+    if len(factors) == 1:
+        if factors[0].shape[0] != numel:
+            raise ValueError(f"{name}: factor {tuple(factors[0].shape)} for {numel} entries.")
+        return False
+    g, a = factors[0].shape[0], factors[1].shape[0]
+    fits = []
+    if g * a == numel and p.dim() >= 1 and p.shape[0] == g:
+        fits.append(False)
+    if g * a == numel and p.dim() >= 2 and p.shape[1] == g:
+        fits.append(True)
+    if not fits:
+        raise ValueError(
+            f"{name} of shape {tuple(p.shape)} got Kronecker factors of sizes {g} and {a}, which "
+            "match neither its first nor its second axis."
+        )
+    if len(fits) == 2:
+        return isinstance(owner, _TRANSPOSED)
+    return fits[0]
+
+
+class _GradientProjection(nn.Module):
+    """`u_n = g_nᵀ f_n`: the model's output of sample n times the (fixed) gradient of its loss.
+
+    With `L' = Σ_n u_n²` (`MSELoss(reduction="sum")` against zeros), the exact loss-Hessian
+    factor at `u` is `√2`, so backpack's `KFLR` of `L'` backpropagates `√2 g_n` from the output:
+    its `G` is twice the sum of the outer products of the per-sample loss gradients w.r.t. each
+    layer's output (its `A` does not depend on the loss). That is the empirical-Fisher `G`.
+    """
+
+    def __init__(self, model, lossfunc, normaliser, num_samples) -> None:
+        super().__init__()
+        self.inner = model
+        self.lossfunc = lossfunc
+        self.normaliser = normaliser
+        self.num_samples = num_samples
+        self.reduction = reduction_of(lossfunc, normaliser)
+        self.total = 0.0
+
+    def forward(self, inputs):  # noqa: D102
+        X, y = inputs
+        f = self.inner(X)
+        nu = batch_normaliser(self.lossfunc, f, y, self.normaliser)
+        self.total += nu
+        with torch.enable_grad(), disable():
+            detached = f.detach().requires_grad_()
+            (g,) = torch.autograd.grad(self.lossfunc(detached, y), detached)
+        if self.reduction == "mean":
+            g = g * nu  # gradients of the samples' unreduced losses
+        n = self.num_samples(X) if self.num_samples is not None else first_tensor(X).shape[0]
+        return (f * g).reshape(n, -1).sum(1, keepdim=True)
+
+
+def _empirical_factors(model, lossfunc, data, extension, progress, normaliser, num_samples):
+    """`[G, A]` of the empirical Fisher `R Σ_n ∇ℓ_n ∇ℓ_nᵀ` (see `_GradientProjection`)."""
+    wrapper = _GradientProjection(model, lossfunc, normaliser, num_samples)
+    dtype = next(p for p in model.parameters() if p.requires_grad).dtype
+
+    def projected():
+        for X, y in data:
+            n = num_samples(X) if num_samples is not None else first_tensor(X).shape[0]
+            target = torch.zeros(n, 1, dtype=dtype, device=first_tensor(X).device)
+            yield (X, y), target
+
+    result = accumulate(
+        wrapper,
+        nn.MSELoss(reduction="sum"),
+        projected(),
+        [extension],
+        progress=progress,
+        write=False,
+    )
+    scale = 2 * (wrapper.total if wrapper.reduction == "mean" else 1.0)
+    factors = result.quantity(extension.savefield)
+    return {name[len("inner.") :]: [f[0] / scale, *f[1:]] for name, f in factors.items()}
+
+
+class KFAC(CurvatureOperator):
+    """Kronecker-factored curvature of a data set, block diagonal over the parameters.
+
+    Args:
+        model: The model (`extend`-ed here).
+        lossfunc: The loss (torch loss module, reduction "mean" or "sum"; `extend`-ed here).
+        data: Iterable of `(X, y)` batches (swept once, here).
+        fisher_type: "type-2": `G` from the exact loss-Hessian factor (backpack's `KFLR`, the
+            Kronecker approximation of the GGN); "mc": from `mc_samples` sampled labels per
+            sample (backpack's `KFAC`); "empirical": from the gradients of the samples' own
+            losses (the Kronecker approximation of `EmpiricalFisher`, one backpropagated column).
+        kfac_approx: "expand" or "reduce": the convention for layers sharing their weight over
+            positions (sequences, convolutions), see the docs' "Transformers" page.
+        mc_samples: Number of sampled labels for "mc".
+        seed: Seed of the "mc" draws (the global RNG is forked, not advanced).
+        progress: Show a progress bar (tqdm).
+        normaliser: Custom `(output, y) -> ν_b`.
+        num_samples: Custom `X -> number of samples`.
+
+    The factors are those of the data-set loss (see `accumulate`): `A` averages all inputs of
+    the data set, `G` sums the backpropagated outer products with the data-set loss's factor.
+    Cost: building sweeps the data once (one backward per batch); everything else is closed-form
+    in the factors.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lossfunc: Any,
+        data: Iterable,
+        fisher_type: str = "type-2",
+        kfac_approx: str = "expand",
+        mc_samples: int = 1,
+        seed: int = 0,
+        progress: bool = False,
+        normaliser: Normaliser | None = None,
+        num_samples: Callable[[Any], int] | None = None,
+    ) -> None:
+        params = trainable(model)
+        super().__init__(model, params)
+        if fisher_type == "type-2":
+            extension = KFLR(kfac_approx=kfac_approx)
+        elif fisher_type == "mc":
+            extension = KFACExtension(mc_samples=mc_samples, kfac_approx=kfac_approx)
+        elif fisher_type == "empirical":
+            extension = KFLR(kfac_approx=kfac_approx)
+        else:
+            raise ValueError(
+                f"fisher_type must be 'type-2', 'mc' or 'empirical', got {fisher_type!r}."
+            )
+        self.fisher_type = fisher_type
+        self.kfac_approx = kfac_approx
+        devices = [self.device] if self.device.type == "cuda" else []
+        if fisher_type == "empirical":
+            factors = _empirical_factors(
+                model, lossfunc, data, extension, progress, normaliser, num_samples
+            )
+        else:
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(seed)
+                result = accumulate(
+                    model,
+                    lossfunc,
+                    data,
+                    [extension],
+                    progress=progress,
+                    normaliser=normaliser,
+                    num_samples=num_samples,
+                    write=False,
+                )
+            factors = result.quantity(extension.savefield)
+        owners = {}
+        for module in model.modules():
+            for p in module.parameters(recurse=False):
+                owners.setdefault(id(p), module)
+        self.blocks = [
+            _Block(
+                name,
+                tuple(p.shape),
+                factors[name],
+                _orientation(name, p, factors[name], owners.get(id(p))),
+            )
+            for name, p in params
+        ]
+
+    @property
+    def factors(self) -> dict[str, list[Tensor]]:
+        """`{parameter name: [G, A] or [B]}` of the data-set loss."""
+        return {b.name: b.factors for b in self.blocks}
+
+    def _matmat(self, V: Tensor) -> Tensor:
+        pieces = [b.apply(v, b.factors) for b, v in zip(self.blocks, self.split(V))]
+        return torch.cat(pieces, dim=1).T
+
+    def _block_dense(self, block: _Block, mats: list[Tensor]) -> Tensor:
+        dense = torch.kron(mats[0], mats[1]) if len(mats) == 2 else mats[0]
+        idx = block.permutation()
+        if idx is None:
+            return dense
+        out = torch.empty_like(dense)
+        out[idx[:, None], idx[None, :]] = dense
+        return out
+
+    def to_dense(self) -> Tensor:
+        """The dense block-diagonal `[P, P]` matrix."""
+        return torch.block_diag(*[self._block_dense(b, b.factors) for b in self.blocks])
+
+    def _diag_of(self, block: _Block, diags: list[Tensor]) -> Tensor:
+        d = torch.outer(diags[0], diags[1]).flatten() if len(diags) == 2 else diags[0]
+        idx = block.permutation()
+        if idx is None:
+            return d
+        out = torch.empty_like(d)
+        out[idx] = d
+        return out
+
+    def diagonal(self) -> Tensor:
+        """The diagonal: `diag(G) ⊗ diag(A)` per block."""
+        return torch.cat([self._diag_of(b, [f.diagonal() for f in b.factors]) for b in self.blocks])
+
+    def trace(self) -> Tensor:
+        """The trace: `Σ tr(G) tr(A)` over the blocks."""
+        return sum(math.prod(f.trace() for f in b.factors) for b in self.blocks)
+
+    def eigenvalues(self) -> Tensor:
+        """All P eigenvalues (products of the factors' eigenvalues), in ascending order."""
+        return torch.cat([b.eigenvalues().flatten() for b in self.blocks]).sort().values
+
+    def inverse(self, damping: float = 0.0) -> KFACInverse:
+        """`(K + damping·I)⁻¹` in closed form, exact for the damped block-diagonal matrix.
+
+        Per block `(G ⊗ A + λI)⁻¹ = (Q_G ⊗ Q_A) (Λ_G ⊗ Λ_A + λI)⁻¹ (Q_G ⊗ Q_A)ᵀ` from the
+        factors' eigendecompositions (not the heuristic damping of each factor).
+
+        Raises:
+            ValueError: For a negative damping.
+        """
+        if damping < 0:
+            raise ValueError(f"damping must be non-negative, got {damping}.")
+        return KFACInverse(self, damping)
+
+    def logdet(self, damping: float = 0.0) -> Tensor:
+        """`log det(K + damping·I)` from the factors' eigenvalues (-inf if singular)."""
+        return torch.cat([(b.eigenvalues().flatten() + damping).log() for b in self.blocks]).sum()
+
+
+class KFACInverse(CurvatureOperator):
+    """`(K + λI)⁻¹` of a `KFAC` operator `K`, applied in the factors' eigenbases."""
+
+    def __init__(self, kfac: KFAC, damping: float) -> None:
+        self.model = kfac.model
+        self.names, self.shapes, self.numels = kfac.names, kfac.shapes, kfac.numels
+        self.dtype, self.device = kfac.dtype, kfac.device
+        self.kfac = kfac
+        self.damping = damping
+
+    def _block_inverse(self, block: _Block, v: Tensor) -> Tensor:
+        eig = block.eig()
+        w = block.to_own(v)
+        if len(eig) == 2:
+            (lg, qg), (la, qa) = eig
+            w = qg.T @ w @ qa
+            w = w / (torch.outer(lg, la) + self.damping)
+            w = qg @ w @ qa.T
+        else:
+            (lb, qb) = eig[0]
+            w = ((w @ qb) / (lb + self.damping)) @ qb.T
+        return block.from_own(w)
+
+    def _matmat(self, V: Tensor) -> Tensor:
+        pieces = [self._block_inverse(b, v) for b, v in zip(self.kfac.blocks, self.split(V))]
+        return torch.cat(pieces, dim=1).T
+
+    def logdet(self) -> Tensor:
+        """`log det((K + λI)⁻¹) = −log det(K + λI)`."""
+        return -self.kfac.logdet(self.damping)

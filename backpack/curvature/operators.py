@@ -1,0 +1,428 @@
+"""Curvature matrices of a data-set loss as linear operators: `GGN`, `Hessian`, `EmpiricalFisher`.
+
+Every operator is a symmetric `[P, P]` matrix over the trainable parameters, in
+`model.parameters()` order, of the data-set loss (see `backpack.curvature.accumulate`). `op @ V`
+sweeps the data once for all K columns of `V`: per batch, the K products are batched with
+`torch.func` (`vmap` over forward-mode and reverse-mode derivatives) or formed from backpack's
+per-sample quantities.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad, jvp, vjp, vmap
+
+from backpack.api import backpack, disable, extend
+from backpack.curvature._data import (
+    Batch,
+    Normaliser,
+    batch_normaliser,
+    fingerprint,
+    needs_reiterable,
+    reduction_of,
+    sweep,
+    trainable,
+)
+from backpack.curvature.accumulate import accumulate
+from backpack.extensions import BatchGrad, DiagGGNExact, DiagHessian, SqrtGGNMC, SumGradSquared
+
+__all__ = ["CurvatureOperator", "GGN", "Hessian", "EmpiricalFisher"]
+
+
+class CurvatureOperator:
+    """A symmetric `[P, P]` matrix over the model's trainable parameters.
+
+    Subclasses implement `_matmat` on `[P, K]` matrices (and may override `diagonal`).
+
+    Attributes:
+        names: Trainable parameter names, in `model.parameters()` order.
+        shapes: Their shapes.
+    """
+
+    def __init__(self, model: nn.Module, params: list[tuple[str, nn.Parameter]]) -> None:
+        if not params:
+            raise ValueError("The model has no trainable parameter.")
+        self.model = model
+        self.names = [name for name, _ in params]
+        self.shapes = [tuple(p.shape) for _, p in params]
+        self.numels = [p.numel() for _, p in params]
+        self.dtype = params[0][1].dtype
+        self.device = params[0][1].device
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """`(P, P)`."""
+        size = sum(self.numels)
+        return size, size
+
+    def _matmat(self, V: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def __matmul__(self, v: Tensor) -> Tensor:
+        """The product with `v` of shape `[P]` or `[P, K]` (same shape out)."""
+        if not isinstance(v, Tensor):
+            return NotImplemented
+        if v.dim() not in (1, 2) or v.shape[0] != self.shape[0]:
+            raise ValueError(
+                f"{type(self).__name__} multiplies [P] or [P, K] tensors with P = "
+                f"{self.shape[0]}, got shape {tuple(v.shape)}."
+            )
+        V = v.reshape(self.shape[0], -1).to(device=self.device, dtype=self.dtype)
+        return self._matmat(V).reshape(v.shape)
+
+    def matmat(self, V: Tensor) -> Tensor:
+        """The product with a `[P, K]` matrix."""
+        return self @ V
+
+    def split(self, V: Tensor) -> list[Tensor]:
+        """`[P, K]` → one `[K, *shape]` tensor per parameter."""
+        blocks = V.split(self.numels, dim=0)
+        return [b.T.reshape(-1, *s) for b, s in zip(blocks, self.shapes)]
+
+    def join(self, blocks: list[Tensor]) -> Tensor:
+        """Inverse of `split`: one `[K, *shape]` tensor per parameter → `[P, K]`."""
+        return torch.cat([b.reshape(b.shape[0], -1) for b in blocks], dim=1).T
+
+    def to_dense(self) -> Tensor:
+        """The dense `[P, P]` matrix (P products; mind the memory)."""
+        eye = torch.eye(self.shape[0], dtype=self.dtype, device=self.device)
+        dense = self @ eye
+        return (dense + dense.T) / 2
+
+    def diagonal(self) -> Tensor:
+        """The diagonal `[P]` (default: of the dense matrix)."""
+        return self.to_dense().diagonal().clone()
+
+    def trace(self) -> Tensor:
+        """The trace (sum of `diagonal()`)."""
+        return self.diagonal().sum()
+
+    def to_scipy(self):
+        """A `scipy.sparse.linalg.LinearOperator` (float64 numpy in and out; needs SciPy)."""
+        try:
+            from scipy.sparse.linalg import LinearOperator
+        except ImportError as err:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "to_scipy() needs SciPy, an optional dependency: pip install scipy."
+            ) from err
+        import numpy as np
+
+        def matmat(x):
+            x = np.asarray(x)
+            out = self @ torch.as_tensor(x, dtype=self.dtype, device=self.device)
+            return out.detach().cpu().to(torch.float64).numpy()
+
+        return LinearOperator(
+            self.shape,
+            matvec=matmat,
+            rmatvec=matmat,
+            matmat=matmat,
+            rmatmat=matmat,
+            dtype=np.float64,
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(shape={self.shape}, dtype={self.dtype})"
+
+
+class _DataOperator(CurvatureOperator):
+    """An operator of a data-set loss: products sweep the data, summing batches' contributions.
+
+    A batch contributes its product at the scale of `reduction="sum"` (`_batch_product`); the
+    sum over batches is divided by `ν` once for "mean".
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lossfunc: Any,
+        data: Iterable,
+        progress: bool = False,
+        column_chunk: int = 64,
+        normaliser: Normaliser | None = None,
+        num_samples: Callable[[Any], int] | None = None,
+    ) -> None:
+        needs_reiterable(data, type(self).__name__)
+        super().__init__(model, trainable(model))
+        self.lossfunc = lossfunc
+        self.data = data
+        self.progress = progress
+        self.column_chunk = column_chunk
+        self.normaliser = normaliser
+        self.num_samples = num_samples
+        self.reduction = reduction_of(lossfunc, normaliser)
+        self._fingerprint = fingerprint(model)
+
+    def _check_model(self) -> None:
+        if fingerprint(self.model) != self._fingerprint:
+            raise ValueError(
+                f"The model's parameters changed since this {type(self).__name__} was built; "
+                "build a new operator for the new parameters."
+            )
+
+    def _nu(self, output: Tensor, y: Any) -> float:
+        return batch_normaliser(self.lossfunc, output, y, self.normaliser)
+
+    def _scale(self, nu: float) -> float:
+        return nu if self.reduction == "mean" else 1.0
+
+    def _params(self) -> dict[str, Tensor]:
+        return {name: p.detach() for name, p in trainable(self.model)}
+
+    def _sweep(self, desc: str):
+        self._check_model()
+        return sweep(self.data, self.progress, desc, self.num_samples)
+
+    def _matmat(self, V: Tensor) -> Tensor:
+        out = torch.zeros_like(V)
+        total = 0.0
+        for batch in self._sweep(f"{type(self).__name__} @ [P, {V.shape[1]}]"):
+            contribution, nu = self._batch_product(batch, V)
+            total += nu
+            if contribution is not None:
+                out += contribution
+        return out / total if self.reduction == "mean" else out
+
+    def _batch_product(self, batch: Batch, V: Tensor) -> tuple[Tensor | None, float]:
+        raise NotImplementedError
+
+    def _columns(self, V: Tensor, product: Callable[[dict[str, Tensor]], dict]) -> Tensor:
+        """Apply a vmapped per-column `product` to V's columns in chunks of `column_chunk`."""
+        pieces = []
+        with warnings.catch_warnings():
+            # torch's first forward-mode derivative compiles its decompositions with the
+            # deprecated torch.jit.script, which warns about torch's own code
+            warnings.filterwarnings("ignore", ".*torch.jit.script.*", FutureWarning)
+            for start in range(0, V.shape[1], self.column_chunk):
+                blocks = self.split(V[:, start : start + self.column_chunk])
+                tangents = dict(zip(self.names, blocks))
+                result = product(tangents)
+                pieces.append(self.join([result[name] for name in self.names]))
+        return torch.cat(pieces, dim=1)
+
+    def _accumulated(self, extension) -> tuple[Tensor, Any]:
+        """The flattened quantity of `extension` over the data set, and the result."""
+        self._check_model()
+        result = accumulate(
+            self.model,
+            self.lossfunc,
+            self.data,
+            [extension],
+            progress=self.progress,
+            normaliser=self.normaliser,
+            num_samples=self.num_samples,
+            write=False,
+        )
+        values = result.quantity(extension.savefield)
+        return torch.cat([values[name].flatten() for name in self.names]), result
+
+
+class GGN(_DataOperator):
+    """The generalised Gauss-Newton matrix `Σ_n J_nᵀ H_n J_n` of the data-set loss.
+
+    `J_n` is the Jacobian of sample n's model output w.r.t. the parameters and `H_n` the Hessian
+    of the data-set loss's term of sample n w.r.t. that output (its reduction factor included).
+
+    Args:
+        model: The model (its `forward` is called functionally with `torch.func`).
+        lossfunc: The loss (torch loss module, reduction "mean" or "sum").
+        data: Re-iterable `(X, y)` batches (swept once per product).
+        mc_samples: None for the exact GGN; an integer for the Monte-Carlo GGN (the type-2
+            Fisher estimated with `mc_samples` sampled labels per sample, from backpack's
+            `SqrtGGNMC`), a fixed matrix: every sweep draws the same labels from `seed`.
+        seed: Seed of the Monte-Carlo draws (the global RNG is forked, not advanced).
+        progress: Show a progress bar per sweep (tqdm).
+        column_chunk: At most this many columns per batched product (memory).
+        normaliser: Custom `(output, y) -> ν_b`.
+        num_samples: Custom `X -> number of samples`.
+
+    Cost: a product with K columns is one sweep: per batch one forward, K Jacobian-vector
+    products, K loss-Hessian products and K vector-Jacobian products (vmapped), like
+    `ggn_vector_product` of `backpack.hessianfree` for K vectors at once.
+    `diagonal()` is exact, from one `accumulate(DiagGGNExact())` sweep.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lossfunc: Any,
+        data: Iterable,
+        mc_samples: int | None = None,
+        seed: int = 0,
+        progress: bool = False,
+        column_chunk: int = 64,
+        normaliser: Normaliser | None = None,
+        num_samples: Callable[[Any], int] | None = None,
+    ) -> None:
+        super().__init__(model, lossfunc, data, progress, column_chunk, normaliser, num_samples)
+        if mc_samples is not None and (
+            isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1
+        ):
+            raise ValueError(f"mc_samples must be None or a positive integer, got {mc_samples!r}.")
+        self.mc_samples = mc_samples
+        self.seed = seed
+
+    def _matmat(self, V: Tensor) -> Tensor:
+        if self.mc_samples is None:
+            return super()._matmat(V)
+        return self._mc_sweep(V)
+
+    def _batch_product(self, batch, V):  # noqa: D102
+        params = self._params()
+
+        def f(pdict):
+            return functional_call(self.model, pdict, (batch.X,))
+
+        with disable(), torch.enable_grad():
+            output, vjp_fn = vjp(f, params)
+            output = output.detach()
+            nu = self._nu(output, batch.y)
+            if self.reduction == "mean" and nu == 0:
+                return None, nu
+            # the loss Hessian w.r.t. the output is symmetric: products by reverse-over-reverse
+            _, loss_hessian = vjp(grad(lambda o: self.lossfunc(o, batch.y)), output)
+
+            def column(tangent):
+                _, jv = jvp(f, (params,), (tangent,))
+                return vjp_fn(loss_hessian(jv)[0])[0]
+
+            out = self._columns(V, vmap(column))
+        return out * self._scale(nu), nu
+
+    # --- Monte-Carlo GGN: products and diagonal from the same sampled square-root factors ---
+    def _mc_factors(self):
+        """Yield each batch's `[M·N_b, P]` factor at the sum scale, and its ν_b (seeded draws)."""
+        extend(self.model)
+        if isinstance(self.lossfunc, nn.Module):
+            extend(self.lossfunc)
+        params = trainable(self.model)
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(self.seed)
+            for batch in self._sweep("GGN (MC)"):
+                with torch.enable_grad():
+                    output = self.model(batch.X)
+                    nu = self._nu(output, batch.y)
+                    if self.reduction == "mean" and nu == 0:
+                        yield None, nu
+                        continue
+                    loss = self.lossfunc(output, batch.y)
+                    saved = [p.grad for _, p in params]
+                    with backpack(SqrtGGNMC(mc_samples=self.mc_samples), sync=False):
+                        loss.backward()
+                factor = torch.cat([p.sqrt_ggn_mc.flatten(2) for _, p in params], dim=2)
+                for (_, p), g in zip(params, saved):
+                    del p.sqrt_ggn_mc
+                    p.grad = g
+                yield factor.flatten(0, 1) * self._scale(nu) ** 0.5, nu
+
+    def _mc_sweep(self, V: Tensor | None) -> Tensor:
+        out = torch.zeros_like(V) if V is not None else torch.zeros(self.shape[0], dtype=self.dtype)
+        out = out.to(self.device)
+        total = 0.0
+        for factor, nu in self._mc_factors():
+            total += nu
+            if factor is None:
+                continue
+            if V is None:
+                out += factor.square().sum(0)
+            else:
+                out += factor.T @ (factor @ V)
+        return out / total if self.reduction == "mean" else out
+
+    def diagonal(self) -> Tensor:
+        """The exact diagonal (`DiagGGNExact` over the data), or the MC GGN's own diagonal."""
+        if self.mc_samples is not None:
+            return self._mc_sweep(None)
+        return self._accumulated(DiagGGNExact())[0]
+
+
+class Hessian(_DataOperator):
+    """The Hessian of the data-set loss w.r.t. the trainable parameters.
+
+    Args: as `GGN` (without `mc_samples`, `seed`).
+
+    Cost: a product with K columns is one sweep: per batch a forward and backward with
+    `create_graph` and K reverse-over-reverse Hessian-vector products (vmapped).
+    `diagonal()` is exact: one `accumulate(DiagHessian())` sweep where backpack supports the
+    model's layers, otherwise `P` Hessian-vector products (with a warning).
+    """
+
+    def _batch_product(self, batch, V):  # noqa: D102
+        params = self._params()
+
+        def loss_of(pdict):
+            return self.lossfunc(functional_call(self.model, pdict, (batch.X,)), batch.y)
+
+        with disable():
+            nu = 1.0
+            if self.reduction == "mean":
+                with torch.no_grad():
+                    nu = self._nu(self.model(batch.X), batch.y)
+                if nu == 0:
+                    return None, nu
+            with torch.enable_grad():
+                # symmetric: Hessian-vector products by reverse-over-reverse (forward-over-reverse
+                # trips over torch's zero tangents of some losses' targets, e.g. MSELoss)
+                _, hvp = vjp(grad(loss_of), params)
+                out = self._columns(V, vmap(lambda t: hvp(t)[0]))
+        return out * self._scale(nu), nu
+
+    def diagonal(self) -> Tensor:
+        """The exact diagonal (`DiagHessian` over the data, or Hessian-vector products)."""
+        try:
+            return self._accumulated(DiagHessian())[0]
+        except NotImplementedError as err:
+            warnings.warn(
+                f"DiagHessian does not support this model ({err}); the Hessian diagonal is "
+                f"computed from {self.shape[0]} Hessian-vector products instead.",
+                stacklevel=2,
+            )
+            return super().diagonal()
+
+
+class EmpiricalFisher(_DataOperator):
+    """The empirical Fisher `R Σ_n ∇ℓ_n ∇ℓ_nᵀ` of the data set.
+
+    `ℓ_n` is sample n's unreduced loss (for token losses: the sum over its non-ignored tokens)
+    and `R` the data-set loss's reduction factor (`1/ν` for "mean", 1 for "sum"), so that the
+    empirical Fisher scales with the loss like the GGN. The per-sample gradients come from
+    backpack's `BatchGrad` (the model and loss are `extend`-ed).
+
+    Args: as `GGN` (without `mc_samples`, `seed`).
+
+    Cost: a product with K columns is one sweep: per batch one backward with `BatchGrad`
+    (an `[N_b, P]` matrix) and two matrix products. `diagonal()` is one
+    `accumulate(SumGradSquared())` sweep.
+    """
+
+    def _batch_product(self, batch, V):  # noqa: D102
+        extend(self.model)
+        if isinstance(self.lossfunc, nn.Module):
+            extend(self.lossfunc)
+        params = trainable(self.model)
+        with torch.enable_grad():
+            output = self.model(batch.X)
+            nu = self._nu(output, batch.y)
+            if self.reduction == "mean" and nu == 0:
+                return None, nu
+            loss = self.lossfunc(output, batch.y)
+            saved = [p.grad for _, p in params]
+            with backpack(BatchGrad(), sync=False):
+                loss.backward()
+        rows = torch.cat([p.grad_batch.flatten(1) for _, p in params], dim=1)
+        for (_, p), g in zip(params, saved):
+            del p.grad_batch
+            p.grad = g
+        rows = rows * self._scale(nu)  # gradients of the samples' unreduced losses
+        return rows.T @ (rows @ V), nu
+
+    def diagonal(self) -> Tensor:
+        """The exact diagonal, from `SumGradSquared` over the data."""
+        values, result = self._accumulated(SumGradSquared())
+        return values * result.normaliser

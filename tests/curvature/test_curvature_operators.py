@@ -1,0 +1,126 @@
+"""GGN, Hessian and EmpiricalFisher operators against brute-force matrices of the data-set loss."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from curvature_problems import PROBLEMS, Reference
+
+from backpack.curvature import GGN, EmpiricalFisher, Hessian
+
+SIZES = [4, 4, 3]
+REDUCTIONS = ["mean", "sum"]
+OPERATORS = {
+    "ggn": (GGN, Reference.ggn),
+    "hessian": (Hessian, Reference.hessian),
+    "ef": (EmpiricalFisher, Reference.empirical_fisher),
+}
+
+
+def close(a, b, atol=1e-12):
+    assert a.shape == b.shape, (a.shape, b.shape)
+    torch.testing.assert_close(a, b, atol=atol, rtol=1e-9)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("name", ["mlp_ce", "mlp_mse", "cnn_ce", "token_ce"])
+@pytest.mark.parametrize("kind", OPERATORS)
+def test_operator_matches_brute_force(kind, name, reduction):
+    problem = PROBLEMS[name]
+    model = problem.model()
+    cls, reference = OPERATORS[kind]
+    op = cls(model, problem.make_loss(reduction), problem.batches(SIZES), column_chunk=32)
+    expected = reference(Reference(problem, model, reduction))
+    P = expected.shape[0]
+    assert op.shape == (P, P)
+    close(op.to_dense(), expected)
+    v = torch.randn(P, dtype=torch.float64)
+    V = torch.randn(P, 3, dtype=torch.float64)
+    close(op @ v, expected @ v)
+    close(op @ V, expected @ V)
+    close(op.diagonal(), expected.diagonal())
+    close(op.trace(), expected.trace())
+
+
+def test_to_scipy():
+    pytest.importorskip("scipy")
+    problem = PROBLEMS["mlp_ce"]
+    model = problem.model()
+    op = GGN(model, problem.make_loss("mean"), problem.batches(SIZES))
+    expected = Reference(problem, model, "mean").ggn().numpy()
+    linop = op.to_scipy()
+    assert linop.shape == expected.shape and linop.dtype == np.float64
+    x = np.random.default_rng(0).standard_normal((expected.shape[0], 2))
+    np.testing.assert_allclose(linop @ x[:, 0], expected @ x[:, 0], atol=1e-12)
+    np.testing.assert_allclose(linop @ x, expected @ x, atol=1e-12)
+    np.testing.assert_allclose(linop.rmatvec(x[:, 1]), expected @ x[:, 1], atol=1e-12)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_monte_carlo_ggn(reduction):
+    """A fixed matrix (same draws every sweep) whose own diagonal matches, unbiased for the GGN."""
+    problem = PROBLEMS["mlp_ce"]
+    model = problem.model()
+    lossfunc = problem.make_loss(reduction)
+    data = problem.batches(SIZES)
+    op = GGN(model, lossfunc, data, mc_samples=3, seed=2)
+    dense = op.to_dense()
+    close(op.to_dense(), dense)
+    close(op.diagonal(), dense.diagonal())
+    exact = Reference(problem, model, reduction).ggn()
+    many = GGN(model, lossfunc, data, mc_samples=2000, seed=0).diagonal()
+    error = (many - exact.diagonal()).abs().max() / exact.diagonal().abs().max()
+    assert error < 0.1
+    state = torch.random.get_rng_state()
+    GGN(model, lossfunc, data, mc_samples=1) @ torch.ones(op.shape[0], dtype=torch.float64)
+    assert torch.equal(state, torch.random.get_rng_state())
+
+
+def test_hessian_diagonal_falls_back_to_products():
+    """A layer without DiagHessian support: the diagonal from Hessian-vector products."""
+
+    class Scale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.linspace(0.5, 1.5, 4, dtype=torch.float64))
+
+        def forward(self, x):
+            return x * self.weight
+
+    problem = PROBLEMS["mlp_ce"]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Scale(), torch.nn.Linear(4, 3).double())
+    op = Hessian(model, problem.make_loss("mean"), problem.batches(SIZES))
+    expected = Reference(problem, model, "mean").hessian()
+    with pytest.warns(UserWarning):
+        diagonal = op.diagonal()
+    close(diagonal, expected.diagonal())
+
+
+def test_operator_errors():
+    problem = PROBLEMS["mlp_ce"]
+    model = problem.model()
+    lossfunc = problem.make_loss("mean")
+    with pytest.raises(TypeError, match="re-iterable"):
+        GGN(model, lossfunc, iter(problem.batches(SIZES)))
+    op = GGN(model, lossfunc, problem.batches(SIZES))
+    with pytest.raises(ValueError, match="P = 43"):
+        op @ torch.ones(5, dtype=torch.float64)
+    with torch.no_grad():
+        model[0].weight.add_(1e-3)
+    with pytest.raises(ValueError, match="changed since"):
+        op @ torch.ones(43, dtype=torch.float64)
+    with pytest.raises(ValueError, match="mc_samples"):
+        GGN(model, lossfunc, problem.batches(SIZES), mc_samples=0)
+
+
+def test_frozen_parameters_are_left_out():
+    problem = PROBLEMS["mlp_ce"]
+    model = problem.model()
+    model[0].weight.requires_grad_(False)
+    op = GGN(model, problem.make_loss("mean"), problem.batches(SIZES))
+    expected = Reference(problem, model, "mean").ggn()
+    assert op.shape == (43 - 20, 43 - 20)
+    close(op.to_dense(), expected)
+    close(op.diagonal(), expected.diagonal())
