@@ -408,20 +408,13 @@ class Conv1DRule(LinearRule):
         return sums, squares
 
     def grad_sum(self, record, grad_outputs, names):  # noqa: D102
-        x, g = _flat(record, grad_outputs)
-        result = {}
-        if "weight" in names:
-            result["weight"] = gram(x, g)
-        if "bias" in names:
-            result["bias"] = g.sum((0, 1))
-        return result
+        return _transposed(super().grad_sum(record, grad_outputs, names))
 
     def grad_sum_entries(self, record, grad_outputs, name, index):  # noqa: D102
-        x, g = _flat(record, grad_outputs)
-        if name == "bias":
-            return g.sum((0, 1))[index]
-        rows, cols = index // g.shape[2], index % g.shape[2]
-        return (x[..., rows] * g[..., cols]).sum((0, 1))
+        if name == "weight":  # stored entry (i, o) is entry (o, i) of Linear's [out, in]
+            out = record.module.weight.shape[1]
+            index = (index % out) * record.module.weight.shape[0] + index // out
+        return super().grad_sum_entries(record, grad_outputs, name, index)
 
     def sqrt_factor(self, record, factors, names, subsampling=None):  # noqa: D102
         x = _flat_input(record)
