@@ -98,7 +98,7 @@ def test_autocast_bfloat16_every_extension_runs_in_float32(extension, model_name
     for amp in (False, True):
         torch.manual_seed(1)
         model.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        with torch.autocast(torch.get_default_device().type, dtype=torch.bfloat16, enabled=amp):
             loss = lossfunc(model(x), y)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no spurious coverage warnings either

@@ -360,11 +360,11 @@ def test_autocast_keeps_autograds_gradient(derived):
     x, y = data()
     x = x.float()
     plain = copy.deepcopy(model)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(torch.get_default_device().type, dtype=torch.bfloat16):
         loss = nn.functional.cross_entropy(plain(x), y)
     loss.backward()
     extend(model)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(torch.get_default_device().type, dtype=torch.bfloat16):
         loss = nn.functional.cross_entropy(model(x), y)
     with backpack(BatchGrad()):
         loss.backward()

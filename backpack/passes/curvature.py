@@ -76,18 +76,40 @@ def nearest_kronecker(pairs: list[list[Tensor]]) -> list[Tensor]:
     combinations of the Rᵤ and Cᵤ (positive semi-definite too). Uses with equal input-side
     factors give their exact sum, (Σᵤ Rᵤ) ⊗ C.
     """
-    rows = torch.stack([r.flatten() for r, _ in pairs], 1).double()  # [a, U]
-    cols = torch.stack([c.flatten() for _, c in pairs], 1).double()  # [b, U]
-    gram_r, gram_c = rows.T @ rows, cols.T @ cols
+    rs, cs = [r for r, _ in pairs], [c for _, c in pairs]
+    gram_r, gram_c = _gram_of_flattened(rs), _gram_of_flattened(cs)
     values, vectors = torch.linalg.eig(gram_c @ gram_r)
     x = vectors[:, values.real.argmax()].real
     x = x * (1.0 if float(x.sum()) >= 0 else -1.0)
     weight = float(x @ gram_r @ x)
     if weight <= 0:
-        return [torch.zeros_like(pairs[0][0]), torch.zeros_like(pairs[0][1])]
-    r = (rows @ x).reshape(pairs[0][0].shape)
-    c = (cols @ (gram_r @ x) / weight).reshape(pairs[0][1].shape)
-    return [r.to(pairs[0][0].dtype), c.to(pairs[0][1].dtype)]
+        return [torch.zeros_like(rs[0]), torch.zeros_like(cs[0])]
+    y = gram_r @ x / weight
+    # combined in place, in the factors' own dtype: a vocabulary-sized factor ([V, V] of a tied
+    # embedding and output layer) must not be stacked or copied to float64
+    return [_combine(rs, x.tolist()), _combine(cs, y.tolist())]
+
+
+def _gram_of_flattened(mats: list[Tensor]) -> Tensor:
+    """`[U, U]` float64 Gram matrix of the flattened `mats`.
+
+    Dot products row by row in the factors' dtype, summed in float64: no float64 copy of a
+    vocabulary-sized factor.
+    """
+    rows = [m.reshape(m.shape[0] if m.dim() > 1 else 1, -1) for m in mats]
+    gram = torch.empty(len(rows), len(rows), dtype=torch.float64)
+    for u, ru in enumerate(rows):
+        for v in range(u, len(rows)):
+            gram[u, v] = gram[v, u] = float(torch.einsum("ij,ij->i", ru, rows[v]).double().sum())
+    return gram
+
+
+def _combine(mats: list[Tensor], weights: list[float]) -> Tensor:
+    """`Σᵤ weights[u] · mats[u]` in one new tensor."""
+    result = mats[0] * weights[0]
+    for m, w in zip(mats[1:], weights[1:]):
+        result.add_(m, alpha=w)
+    return result
 
 
 def _zero_product(mat: Tensor) -> Tensor:

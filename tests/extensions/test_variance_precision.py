@@ -229,7 +229,7 @@ def test_autocast_variance_is_that_of_the_per_sample_gradients():
     lossfunc = extend(nn.CrossEntropyLoss())
     x = 2.0 + 1e-2 * torch.randn(16, 6)
     y = torch.zeros(16, dtype=torch.long)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(torch.get_default_device().type, dtype=torch.bfloat16):
         loss = lossfunc(model(x), y)
     with backpack(BatchGrad(), Variance()):
         loss.backward()
