@@ -58,8 +58,10 @@ step mixed-precision-threads 60 env BACKPACK_TEST_DEFAULT_DEVICE=$DEV bash -c \
 GPUS=$($PY -c "import torch; print(torch.cuda.device_count())")
 # tests/test_distributed.py runs gloo processes on the CPU (in CI); NCCL needs two GPUs
 echo "distributed: not run here, $GPUS GPU(s) on this machine" | tee -a "$OUT/summary.txt"
-step benchmarks 240 $PY -m benchmarks.gpu_models --device $DEV "${BENCH[@]}" \
-    --out "$OUT/results.md" --profile-dir "$OUT"
+for model in resnet18 gpt2; do  # one process each: a device-side assert ends its process
+    step "bench-$model" 150 $PY -m benchmarks.gpu_models --device $DEV "${BENCH[@]}" \
+        --models $model --out "$OUT/results-$model.md" --profile-dir "$OUT"
+done
 step table-on-device 90 env BACKPACK_TEST_DEVICE=$DEV bash -c \
     "$PYTEST -n $WORKERS tests/extensions/test_firstorder.py tests/extensions/test_secondorder.py ${SUBSET[*]@Q}"
 grep -h "FAILED\|^E  " "$OUT"/*.log | head -40

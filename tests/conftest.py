@@ -29,6 +29,17 @@ def _shape_only_records_everywhere(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def _problems_valid_on_the_device(request):
+    """Skip a problem of the table whose model plain PyTorch refuses on the test device."""
+    from problems import DEVICE
+
+    problem = getattr(getattr(request.node, "callspec", None), "params", {}).get("problem")
+    reason = getattr(problem, "options", {}).get("not_on_cuda")
+    if reason and (DEVICE.type == "cuda" or os.environ.get("BACKPACK_CUDA_CHECK_DEVICE")):
+        pytest.skip(f"not a valid model on CUDA: {reason}")
+
+
+@pytest.fixture(autouse=True)
 def _seed_and_dtype(request):
     """Every test starts from the same seed; problems build their own float64 tensors."""
     torch.manual_seed(0)

@@ -49,6 +49,9 @@ CASES = [(p, tag) for p in ALL_PROBLEMS for tag in GROUPS if tag in p.tags]
 #: the tolerance leaves room for deep chains and cancellations (variances), relative to each
 #: tensor's largest entry
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-3}
+#: Hugging Face's Llama and T5 norms compute in float32 whatever the model's dtype: in a float64
+#: model their rounding differs between devices at float32's level
+FLOAT32_INSIDE = ("hf-llama", "hf-t5")
 
 
 def _moved(obj: Any, device: torch.device, dtype: torch.dtype) -> Any:
@@ -105,5 +108,7 @@ def test_quantities_on_the_device_match_the_cpu(problem, tag, dtype):
         ref, got = _flat(value), _flat(actual[key])
         assert got.shape == ref.shape, key
         scale = scales[key[1]]
-        tol = TOLERANCE[dtype]
-        torch.testing.assert_close(got, ref, rtol=tol, atol=tol * scale + 1e-30, msg=str(key))
+        tol = TOLERANCE[torch.float32 if problem.id.startswith(FLOAT32_INSIDE) else dtype]
+        torch.testing.assert_close(
+            got, ref, rtol=tol, atol=tol * scale + 1e-30, msg=lambda m, k=key: f"{k}: {m}"
+        )

@@ -1296,3 +1296,15 @@ def test_variance_waits_for_autograds_sum_only_for_large_products():
     assert not variance_waits_for_grad(torch.zeros(512), 256)  # a bias: a sum over rows
     assert variance_waits_for_grad(large, 256)
     assert 10 * 64 * 128 < VARIANCE_WAIT_MIN_WORK <= 512 * 784 * 256
+
+
+def test_probe_positions_of_a_vocabulary_sized_parameter_stay_inside_it():
+    """Coverage probes of a parameter with more than 2**24 entries (GPT-2's [50257, 768] token
+    embedding): a float32 linspace would round the last position past the end."""
+    from backpack.passes import coverage
+
+    for numel in (50257 * 768, 2**25 + 3, 5, 1):
+        param = torch.zeros(1).expand(numel)  # the shape alone, no memory
+        index = coverage._probe_index(param)
+        assert int(index.max()) == numel - 1 and int(index.min()) == 0
+        assert index.unique().numel() == min(numel, 8)

@@ -72,7 +72,7 @@ def _flat(value, param):
     """A quantity as one flat tensor (lists of factors concatenated, products applied)."""
     if callable(value):
         gen = torch.Generator().manual_seed(3)
-        value = value(torch.randn(2, *param.shape, generator=gen).to(param))
+        value = value(torch.randn(2, *param.shape, generator=gen, device="cpu").to(param))
     if isinstance(value, list):
         return torch.cat([v.flatten() for v in value])
     return value.flatten()

@@ -41,8 +41,9 @@ def conv_net(conv=nn.Conv2d, size=(6, 6), **kwargs):
 
 def data(size=(6, 6), n=5, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 2, *size, generator=gen, dtype=DTYPE)
-    return x, torch.randint(0, 3, (n,), generator=gen)
+    x = torch.randn(n, 2, *size, generator=gen, dtype=DTYPE, device="cpu")
+    y = torch.randint(0, 3, (n,), generator=gen, device="cpu")
+    return x.to(torch.get_default_device()), y.to(torch.get_default_device())
 
 
 @pytest.fixture

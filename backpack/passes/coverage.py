@@ -40,8 +40,12 @@ def _probe_index(param: Tensor, rule: ModuleRule | None = None, name: str = "") 
     if index is None:
         index = None if rule is None else rule.probe_index(name, param)
         if index is None:
+            # integer arithmetic: a float32 linspace rounds the last position of a parameter
+            # with more than 2**24 entries (a vocabulary-sized embedding) past its end
             numel = param.numel()
-            index = torch.linspace(0, numel - 1, min(numel, 8), device=param.device).long()
+            k = min(numel, 8)
+            steps = torch.arange(k, device=param.device, dtype=torch.long)
+            index = steps * (numel - 1) // max(k - 1, 1)
         if len(_PROBES) < 4096:
             _PROBES[key] = index
     return index

@@ -71,7 +71,7 @@ def assert_same_grad(actual: Tensor, expected: Tensor, summed_from_samples: bool
     the last few bits. With first-order extensions alone, convolution gradients may be sums of
     per-sample gradients (`backpack.grads_from_samples`): also equal to the last few bits."""
     exact = DEVICE.type == "cpu" and not summed_from_samples
-    rtol, atol = (0.0, 0.0) if exact else (1e-13, 1e-16)
+    rtol, atol = (0.0, 0.0) if exact else (1e-12, 1e-15)
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
 
 

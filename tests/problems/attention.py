@@ -158,7 +158,7 @@ def attention_problem(pid, loss="ce-mean", n=4, t=3, features=5, tags=TAGS, xfai
 def _bool_mask_3d(n, heads, t, s, seed=3):
     """`[N·H, t, s]` boolean mask with random hidden keys; key 0 stays visible in every row."""
     g = torch.Generator().manual_seed(seed)
-    mask = torch.rand(n * heads, t, s, generator=g) > 0.6
+    mask = torch.rand(n * heads, t, s, generator=g, device=g.device) > 0.6
     mask[..., 0] = False
     return mask
 
@@ -166,7 +166,7 @@ def _bool_mask_3d(n, heads, t, s, seed=3):
 def _padding(n, s, seed=4, kind="bool"):
     """`[N, s]` key padding mask (True or -inf: hidden); the first key stays visible."""
     g = torch.Generator().manual_seed(seed)
-    mask = torch.rand(n, s, generator=g) > 0.6
+    mask = torch.rand(n, s, generator=g, device=g.device) > 0.6
     mask[:, 0] = False
     return mask if kind == "bool" else torch.zeros(n, s).masked_fill(mask, float("-inf"))
 
