@@ -25,6 +25,7 @@ their target also write the top operators of one profiled step there.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import statistics
@@ -101,49 +102,97 @@ def _clear(model: nn.Module) -> None:
                 delattr(p, field)
 
 
-def _steps(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, tuple[Callable, Callable]]:
-    """Row name -> (step, clear), each on its own copy of `model`."""
+#: the baseline a row is measured against (default "plain")
+FROZEN = "plain, embeddings frozen"
+
+
+def _frozen_embeddings(model: nn.Module) -> nn.Module:
+    """A copy whose embeddings (and a head tied to them) are not trained."""
+    model = copy.deepcopy(model)
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            module.weight.requires_grad_(False)
+    return model
+
+
+@contextlib.contextmanager
+def _conv_path(name: str) -> Any:
+    """Force one of the convolution rules' two implementations (an experiment row)."""
+    from backpack.core.derivatives import convnd
+
+    saved = convnd._prefer_vmap, convnd.prefer_fold
+    if name == "vmap":
+        convnd._prefer_vmap = lambda module, x, g: module.groups == 1
+    else:
+        convnd.prefer_fold = lambda module, x, grid: module.groups == 1
+    try:
+        yield
+    finally:
+        convnd._prefer_vmap, convnd.prefer_fold = saved
+
+
+def _steps(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, tuple]:
+    """Row name -> (step, clear, baseline row), each on its own copy of `model`."""
     from backpack import backpack, extend
     from backpack import extensions as E
     from backpack.curvature import KFAC as DataSetKFAC
 
     lossfunc = nn.CrossEntropyLoss()
-    plain = copy.deepcopy(model)
-    extended = extend(copy.deepcopy(model))
     ext_loss = extend(nn.CrossEntropyLoss())
-    steps: dict[str, tuple[Callable, Callable]] = {}
+    steps: dict[str, tuple] = {}
 
-    def plain_step() -> None:
-        lossfunc(plain(x), y).backward()
-
-    steps["plain"] = (plain_step, lambda: _clear(plain))
-
-    def with_extensions(*make: Callable) -> Callable:
+    def plain_of(model: nn.Module) -> tuple:
         def step() -> None:
-            with backpack(*(m() for m in make)):
-                ext_loss(extended(x), y).backward()
+            lossfunc(model(x), y).backward()
+
+        return step, lambda: _clear(model), None
+
+    plain = copy.deepcopy(model)
+    steps["plain"] = plain_of(plain)
+    embeddings = any(isinstance(m, nn.Embedding) for m in model.modules())
+    if embeddings:
+        steps[FROZEN] = plain_of(_frozen_embeddings(model))
+
+    def with_extensions(net: nn.Module, *make: Callable, path: str | None = None) -> Callable:
+        def step() -> None:
+            with contextlib.ExitStack() as stack:
+                if path is not None:
+                    stack.enter_context(_conv_path(path))
+                with backpack(*(m() for m in make)):
+                    ext_loss(net(x), y).backward()
 
         return step
 
+    def fit_of(net: nn.Module) -> Callable:
+        def fit() -> None:
+            DataSetKFAC(net, ext_loss, [(x, y)], fisher_type="mc")
+
+        return fit
+
+    extended = extend(copy.deepcopy(model))
     clear_extended = lambda: _clear(extended)  # noqa: E731
-    steps["hooks only"] = (with_extensions(), clear_extended)
+    steps["hooks only"] = (with_extensions(extended), clear_extended, "plain")
     for row in ("BatchGrad", "BatchL2Grad", "Variance", "DiagGGNMC", "KFAC"):
-        steps[row] = (with_extensions(getattr(E, row)), clear_extended)
-    holder: dict[str, Any] = {}
-
-    def fit() -> None:
-        holder["kfac"] = DataSetKFAC(extended, ext_loss, [(x, y)], fisher_type="mc")
-        holder.clear()
-
-    steps["data-set KFAC fit"] = (fit, clear_extended)
-    steps["torch.func"] = (_torch_func(plain, x, y), lambda: None)
+        steps[row] = (with_extensions(extended, getattr(E, row)), clear_extended, "plain")
+    steps["data-set KFAC fit"] = (fit_of(extended), clear_extended, "plain")
+    if embeddings:  # KFAC of a large vocabulary is refused (a dense [V, V] input factor)
+        frozen = extend(_frozen_embeddings(model))
+        clear_frozen = lambda: _clear(frozen)  # noqa: E731
+        steps["KFAC, embeddings frozen"] = (with_extensions(frozen, E.KFAC), clear_frozen, FROZEN)
+        steps["data-set KFAC fit, embeddings frozen"] = (fit_of(frozen), clear_frozen, FROZEN)
+    if any(isinstance(m, nn.Conv2d) for m in model.modules()):
+        steps["experiment: BatchGrad, vmap conv path"] = (
+            with_extensions(extended, E.BatchGrad, path="vmap"), clear_extended, "plain")
+        steps["experiment: BatchL2Grad, fold conv path"] = (
+            with_extensions(extended, E.BatchL2Grad, path="fold"), clear_extended, "plain")
+    steps["torch.func"] = (_torch_func(plain, x, y), lambda: None, "plain")
     for row, ghost in (("Opacus", False), ("Opacus ghost norms", True)):
         try:
             step, clear, _ = _opacus_step(_for_opacus(model), nn.CrossEntropyLoss(), x, y, ghost)
         except Exception as err:  # noqa: BLE001 - reported as the row's result
-            steps[row] = (_failing(err), lambda: None)
+            steps[row] = (_failing(err), lambda: None, "plain")
         else:
-            steps[row] = (step, clear)
+            steps[row] = (step, clear, "plain")
     return steps
 
 
@@ -205,19 +254,19 @@ def measure(name: str, tiny: bool, rounds: int, device: torch.device,
     """Every row on model `name`: time and memory ratios to the plain step."""
     model, x, y = MODELS[name](tiny, device)
     steps = _steps(model, x, y)
-    plain, clear_plain = steps["plain"]
     results: dict[str, dict[str, Any]] = {}
-    clear_plain()
-    for _ in range(2):
-        _timed(plain, device)
-        clear_plain()
-    plain_peak = peak_extra_bytes(plain, device)
-    clear_plain()
-    results["plain"] = {"seconds": statistics.median(
-        _timed_cleared(plain, clear_plain, device) for _ in range(3)), "peak": plain_peak}
-    for row, (step, clear) in steps.items():
-        if row == "plain":
+    for row, (step, clear, baseline) in steps.items():
+        if baseline is None:  # a plain step: its time and peak
+            clear()
+            for _ in range(2):
+                _timed(step, device)
+                clear()
+            peak = peak_extra_bytes(step, device)
+            seconds = statistics.median(_timed_cleared(step, clear, device) for _ in range(3))
+            results[row] = {"seconds": seconds, "peak": peak}
             continue
+        plain, clear_plain, _ = steps[baseline]
+        plain_peak = results[baseline]["peak"]
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -250,6 +299,7 @@ def measure(name: str, tiny: bool, rounds: int, device: torch.device,
             "seconds": statistics.median(times),
             "peak": peak,
             "memory": peak / plain_peak if plain_peak else float("nan"),
+            "baseline": baseline,
         }
         print(f"{name:9s} {row:20s} {r['ratio']:6.2f}x  memory {r['memory']:6.2f}x", flush=True)
         missed = r["ratio"] > TARGETS.get(row, float("inf")) or r["memory"] > MEMORY_TARGETS.get(
@@ -284,44 +334,57 @@ def _profile(step: Callable, clear: Callable, device: torch.device, path: str, r
         f.write(f"## {row}\n\n```\n{table}\n```\n\n")
 
 
+def _is_baseline(result: dict) -> bool:
+    return "ratio" not in result and "error" not in result
+
+
 def render(results: dict[str, dict[str, dict[str, Any]]], header: str) -> str:
     """The Markdown tables of time and memory ratios."""
-    rows = [r for r in next(iter(results.values())) if r != "plain"]
     names = list(results)
+    rows = list(dict.fromkeys(r for n in names for r in results[n]))
+    baselines = [r for r in rows if any(_is_baseline(results[n].get(r, {"ratio": 0}))
+                                        for n in names)]
+    rows = [r for r in rows if r not in baselines]
     lines = [header, "", "## Time, as a ratio to a plain forward + backward", "",
+             "Rows named '..., embeddings frozen' are measured against the plain step of the same "
+             "model with frozen embeddings.", "",
              "| | " + " | ".join(names) + " | target |", "|---|" + "---|" * (len(names) + 1)]
-    lines.append("| plain step (ms) | " + " | ".join(
-        f"{1e3 * results[n]['plain']['seconds']:.1f}" for n in names) + " | |")
-    for row in rows:
-        cells = []
+    for base in baselines:
+        lines.append(f"| {base} step (ms) | " + " | ".join(
+            f"{1e3 * results[n][base]['seconds']:.1f}" if base in results[n] else "—"
+            for n in names) + " | |")
+
+    def cells(row: str, key: str, targets: dict) -> list[str]:
+        out = []
         for n in names:
-            r = results[n][row]
-            if "error" in r:
-                cells.append("failed: " + r["error"].replace("|", "/")[:90])
+            r = results[n].get(row)
+            if r is None:
+                out.append("—")
+            elif "error" in r:
+                out.append("failed: " + r["error"].replace("|", "/")[:90] if key == "ratio"
+                           else "—")
             else:
-                target = TARGETS.get(row)
-                mark = "" if target is None else (" ✓" if r["ratio"] <= target else " ✗")
-                cells.append(f"{r['ratio']:.2f}x{mark}")
-        lines.append(f"| {row} | " + " | ".join(cells) + f" | {_target(row)} |")
-    lines += ["", "## Peak memory, as a ratio to the plain step's", "",
+                target = targets.get(row.split(",")[0])
+                mark = "" if target is None else (" ✓" if r[key] <= target else " ✗")
+                out.append(f"{r[key]:.2f}x{mark}")
+        return out
+
+    for row in rows:
+        lines.append(f"| {row} | " + " | ".join(cells(row, "ratio", TARGETS))
+                     + f" | {_target(row)} |")
+    lines += ["", "## Peak memory, as a ratio to the baseline step's", "",
               "| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    lines.append("| plain step (MiB above the model) | " + " | ".join(
-        f"{results[n]['plain']['peak'] / 2**20:.0f}" for n in names) + " |")
+    for base in baselines:
+        lines.append(f"| {base} step (MiB above the model) | " + " | ".join(
+            f"{results[n][base]['peak'] / 2**20:.0f}" if base in results[n] else "—"
+            for n in names) + " |")
     for row in rows:
-        cells = []
-        for n in names:
-            r = results[n][row]
-            if "error" in r:
-                cells.append("—")
-            else:
-                target = MEMORY_TARGETS.get(row)
-                mark = "" if target is None else (" ✓" if r["memory"] <= target else " ✗")
-                cells.append(f"{r['memory']:.2f}x{mark}")
-        lines.append(f"| {row} | " + " | ".join(cells) + " |")
+        lines.append(f"| {row} | " + " | ".join(cells(row, "memory", MEMORY_TARGETS)) + " |")
     return "\n".join(lines) + "\n"
 
 
 def _target(row: str) -> str:
+    row = row.split(",")[0]
     parts = []
     if row in TARGETS:
         parts.append(f"≤ {TARGETS[row]}x")

@@ -49,9 +49,11 @@ CASES = [(p, tag) for p in ALL_PROBLEMS for tag in GROUPS if tag in p.tags]
 #: the tolerance leaves room for deep chains and cancellations (variances), relative to each
 #: tensor's largest entry
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-3}
-#: Hugging Face's Llama and T5 norms compute in float32 whatever the model's dtype: in a float64
-#: model their rounding differs between devices at float32's level
-FLOAT32_INSIDE = ("hf-llama", "hf-t5")
+#: problems whose float64 forward differs between the CPU and CUDA at float32's level in plain
+#: PyTorch: Hugging Face's Llama and T5 norms compute in float32 whatever the model's dtype;
+#: weight normalisation (measured on an H100, torch 2.11: 1e-8 relative on the next bias's
+#: gradient, while backpack on CUDA matches autograd on CUDA to 1e-13)
+FLOAT32_INSIDE = ("hf-llama", "hf-t5", "parametrized-weight-norm", "parametrized-old-weight-norm")
 
 
 def _moved(obj: Any, device: torch.device, dtype: torch.dtype) -> Any:
@@ -95,6 +97,8 @@ def _flat(value: Any) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize(("problem", "tag"), CASES, ids=[f"{p.id}-{t}" for p, t in CASES])
 def test_quantities_on_the_device_match_the_cpu(problem, tag, dtype):
+    if CHECKED.type == "cuda" and "not_on_cuda" in problem.options:
+        pytest.skip(problem.options["not_on_cuda"])
     expected = _quantities(problem, tag, torch.device("cpu"), torch.float64)
     actual = _quantities(problem, tag, CHECKED, dtype)
     assert actual.keys() == expected.keys()

@@ -159,6 +159,7 @@ def _bool_mask_3d(n, heads, t, s, seed=3):
     """`[N·H, t, s]` boolean mask with random hidden keys; key 0 stays visible in every row."""
     g = torch.Generator().manual_seed(seed)
     mask = torch.rand(n * heads, t, s, generator=g, device=g.device) > 0.6
+    mask = mask.to(torch.get_default_device())
     mask[..., 0] = False
     return mask
 
@@ -167,6 +168,7 @@ def _padding(n, s, seed=4, kind="bool"):
     """`[N, s]` key padding mask (True or -inf: hidden); the first key stays visible."""
     g = torch.Generator().manual_seed(seed)
     mask = torch.rand(n, s, generator=g, device=g.device) > 0.6
+    mask = mask.to(torch.get_default_device())
     mask[:, 0] = False
     return mask if kind == "bool" else torch.zeros(n, s).masked_fill(mask, float("-inf"))
 
