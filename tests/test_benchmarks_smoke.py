@@ -251,3 +251,20 @@ def test_distributed_mode_runs(tmp_path):
     data = json.loads((tmp_path / "distributed.json").read_text())
     row = data["results"]["mlp"]["Variance"]
     assert "error" not in row and row["reduced_bytes"] > 0
+
+
+def test_gpu_models_tiny_run_writes_every_row(tmp_path):
+    """`benchmarks.gpu_models --tiny` on the CPU: every row of GPT-2 measured or its failure
+    reported (Opacus may be absent), and the tables written."""
+    from benchmarks import gpu_models
+
+    out = tmp_path / "gpu.md"
+    results = gpu_models.main(
+        ["--tiny", "--models", "gpt2", "--rounds", "1", "--device", "cpu", "--out", str(out)]
+    )
+    rows = results["gpt2"]
+    for row in ("hooks only", "BatchGrad", "BatchL2Grad", "Variance", "DiagGGNMC",
+                "KFAC, embeddings frozen", "torch.func"):
+        assert rows[row]["ratio"] > 0 and rows[row]["memory"] > 0, row
+    text = out.read_text()
+    assert "| BatchL2Grad |" in text and "plain, embeddings frozen step (ms)" in text

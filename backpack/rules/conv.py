@@ -530,7 +530,7 @@ def _pair_grads(module: nn.Module, x: Tensor, f: Tensor) -> Iterator[tuple[slice
     each chunk of samples once and reuses it for all chunks of columns.
     """
     v, n = f.shape[0], f.shape[1]
-    fold = convnd.prefer_fold(module, x, f.shape[3:])
+    fold = convnd.prefer_fold(module, x, f.shape[3:], columns=v)
     per_pair, per_sample = _pair_sizes(module, x, f, fold)
     budget = _PAIR_CHUNK.get(x.device.type, _CHUNK_BUDGET)
     if v * per_pair + per_sample <= budget:

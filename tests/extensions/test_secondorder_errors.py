@@ -439,3 +439,51 @@ def test_kfra_skip_from_input_is_still_a_chain():
     close(model.l1.weight.kfra[0], expected)
     close(model.l1.bias.kfra[0], expected)
     close(model.l1.weight.kfra[1], x.T @ x / x.shape[0])
+
+
+def _token_model():
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 5)).double())
+    return model, torch.randn(4, 6, 3, dtype=torch.float64)
+
+
+def test_token_rows_mixing_samples_are_refused():
+    """Loss rows built across the sample axis (each row holds every sample's logits) have no
+    sample: the factor columns cannot be placed, so the extension refuses."""
+    model, x = _token_model()
+    lossfunc = extend(nn.CrossEntropyLoss())
+    out = model(x)  # [N=4, T=6, C=5]
+    rows = out.permute(2, 1, 0).reshape(-1, 4)  # row (c, t) holds the 4 samples' logits
+    y = torch.randint(0, 4, (rows.shape[0],))
+    with pytest.raises(NotImplementedError, match="cannot tell which sample"):
+        with backpack(DiagGGNExact()):
+            lossfunc(rows, y).backward()
+    assert CTX.engine is None
+
+
+def test_token_rows_owners_in_chunks_of_samples_give_the_same_curvature(monkeypatch):
+    """The (row, sample) presence table filled one sample at a time gives the same result."""
+    model, x = _token_model()
+    lossfunc = extend(nn.CrossEntropyLoss())
+    y = torch.randint(0, 5, (24,))
+    results = []
+    for chunk in (secondorder_module._PRESENCE_CHUNK, 1):
+        monkeypatch.setattr(secondorder_module, "_PRESENCE_CHUNK", chunk)
+        model.zero_grad()
+        with backpack(DiagGGNExact()):
+            lossfunc(model(x).flatten(0, 1), y).backward()
+        results.append([p.diag_ggn_exact.clone() for p in model.parameters()])
+    # brute force: diag(Jᵀ H J) with J the Jacobian of the [N·T, C] logits
+    names = [n for n, _ in model.named_parameters()]
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    logits = lambda p: torch.func.functional_call(model, p, (x,)).flatten(0, 1)  # noqa: E731
+    out = logits(params)
+    jac = torch.func.jacrev(logits)(params)
+    hess = torch.func.hessian(lambda o: nn.functional.cross_entropy(o, y))(out)
+    for i, name in enumerate(names):
+        j = jac[name].reshape(out.numel(), -1)
+        expected = torch.einsum("ap,ab,bp->p", j, hess.reshape(out.numel(), -1), j)
+        torch.testing.assert_close(results[1][i], results[0][i], rtol=0, atol=0)
+        torch.testing.assert_close(
+            results[0][i].flatten(), expected, rtol=1e-10, atol=1e-12, msg=name
+        )

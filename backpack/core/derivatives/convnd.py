@@ -489,11 +489,21 @@ def pair_weight_grads_fold(module: nn.Module, x: Tensor, factor: Tensor) -> Tens
     return gw.reshape(n, groups, v, per_group, c_in // groups, *kernel).transpose(1, 2)
 
 
-def prefer_fold(module: nn.Module, x: Tensor, out_grid: Sequence[int]) -> bool:
-    """Whether the rules should use `pair_weight_grads_fold` (saving memory, or faster)."""
+def prefer_fold(module: nn.Module, x: Tensor, out_grid: Sequence[int], columns: int = 1) -> bool:
+    """Whether the rules should use `pair_weight_grads_fold` (saving memory, or faster).
+
+    On CUDA with one factor column (squared norms, sums of squares, Monte-Carlo diagonals):
+    always, for ungrouped convolutions. The folded weight backward runs in cuDNN (TF32 where
+    torch allows it for convolutions), the unfolded `bmm` in float32: BatchL2Grad on ResNet-18
+    at 224x224, batch 64, took 3.1x a plain step folded against 5.2x unfolded (H100).
+    """
     if _SAVE_MEMORY:
         return True
-    if module.groups != 1 or x.device.type != "cpu":
+    if module.groups != 1:
+        return False
+    if x.device.type == "cuda":
+        return columns == 1
+    if x.device.type != "cpu":
         return False
     return _large_grid(module, x, out_grid, thin_ok=True)
 
