@@ -284,44 +284,77 @@ class BroadcastSite:
             part.close()
 
 
+def _forward_shape(node: Any) -> tuple[int, ...] | None:
+    """Shape of a node's (first) forward output, from autograd's metadata."""
+    try:
+        return tuple(node._input_metadata[0].shape)
+    except (AttributeError, IndexError, RuntimeError):
+        return None
+
+
+def _adds_sample_axis(before: tuple[int, ...], after: tuple[int, ...] | None) -> bool:
+    """Whether output shape `after` broadcasts operand shape `before` on a new leading axis."""
+    if after is None or not after or after[0] <= 1:
+        return False
+    return len(after) > len(before) or (len(before) > 0 and before[0] == 1)
+
+
 def _broadcast_site(
     record: Record, node: Any, parents: dict[int, list[tuple[Any, int]]]
-) -> BroadcastSite | None:
+) -> BroadcastSite | str | None:
     """The additions broadcasting `record`'s output (produced by `node`) over the samples.
 
     Every path from the output must pass only views, permutes and the like and end in an
-    addition (or subtraction); anything else, and the call is not taken as broadcast.
+    addition (or subtraction); anything else, and the call is not taken as broadcast. Returns a
+    reason (a string) when the output is broadcast over a new leading axis on a path that ends
+    elsewhere (a product with per-sample tensors, say): its per-sample gradients cannot be
+    recovered, and taking its leading axis as the samples would give wrong numbers.
     """
     if len(record.outputs) != 1 or any(e is not None for e in record.input_edges):
         return None
     start = node
     parts: list[_Addition] = []
     seen: set[int] = set()
-    stack = [(node, False)]
+    unhandled: str | None = None
+    stack = [(node, False, tuple(record.outputs[0].shape), False)]
     while stack:
-        node, moves_axes = stack.pop()
+        node, moves_axes, shape, expanded = stack.pop()
         consumers = {(id(p), i): (p, i) for p, i in parents.get(id(node), [])}
         if not consumers:
             return None
         for consumer, index in consumers.values():
             name = consumer.name()
+            after = _forward_shape(consumer)
             if name in _RESHAPE_NODES or name in _AXIS_NODES:
                 if id(consumer) in seen:
                     return None
                 seen.add(id(consumer))
-                stack.append((consumer, moves_axes or name in _AXIS_NODES))
+                grown = name == "ExpandBackward0" and _adds_sample_axis(shape, after)
+                following = shape if after is None else after
+                stack.append(
+                    (consumer, moves_axes or name in _AXIS_NODES, following, expanded or grown)
+                )
                 continue
             if name not in ("AddBackward0", "SubBackward0"):
-                return None
+                # broadcast over a new leading axis, or the right operand of a matrix product
+                # (a matrix shared by every row: the rows of the other operand hold the samples)
+                shared = name in ("MmBackward0", "BmmBackward0") and index == 1
+                if unhandled is None and (expanded or shared or _adds_sample_axis(shape, after)):
+                    unhandled = name
+                continue
             alpha = float(getattr(consumer, "_saved_alpha", 1)) if index == 1 else 1.0
             if name == "SubBackward0" and index == 1:
                 alpha = -alpha
             if moves_axes:
                 operand = GradientEdge(*consumer.next_functions[index])
-                shape = record.outputs[0].shape
-                parts.append(_Addition(consumer, alpha, operand, start, shape))
+                out_shape = record.outputs[0].shape
+                parts.append(_Addition(consumer, alpha, operand, start, out_shape))
             else:
                 parts.append(_Addition(consumer, alpha))
+    if unhandled is not None:
+        for part in parts:
+            part.close()
+        return unhandled
     return BroadcastSite(parts) if parts else None
 
 
@@ -351,6 +384,9 @@ class SampleLayout:
         self._broken: dict[int, str] = {}
         #: id(record) -> where its sample-free output is broadcast over the samples
         self.broadcast: dict[int, BroadcastSite] = {}
+        #: id(record) -> the operation that broadcasts its sample-free output over the samples
+        #: where no per-sample gradient can be recovered (refused when the call is processed)
+        self.unhandled_broadcast: dict[int, str] = {}
         #: whether calls of this pass may be broadcast over the samples (then they are searched)
         self.candidates = False
         #: nodes explored for broadcast sites, and the consumers of each node seen
@@ -492,7 +528,9 @@ class SampleLayout:
             if not sample_free(record.args):
                 continue
             site = _broadcast_site(record, node, self._parents)
-            if site is not None:
+            if isinstance(site, str):
+                self.unhandled_broadcast[key] = site
+            elif site is not None:
                 self.broadcast[key] = site
 
     def close(self) -> None:

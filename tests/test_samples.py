@@ -278,3 +278,48 @@ def test_several_calls_with_different_sizes_without_extended_loss_are_refused():
     with pytest.raises(RuntimeError, match="different numbers of samples.*Extend the loss"):
         with backpack(BatchGrad()):
             loss.backward()
+
+
+class _ScaledByPositions(nn.Module):
+    """Token features scaled (not shifted) by a position embedding looked up without a sample
+    axis: `emb(arange(T))` is broadcast over the samples by a product."""
+
+    def __init__(self, through_matmul: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(3, 4)
+        self.pos = nn.Embedding(5, 4)
+        self.out = nn.Linear(4, 2)
+        self.through_matmul = through_matmul
+
+    def forward(self, x):
+        h = self.inp(x)  # [N, T, 4]
+        p = self.pos(torch.arange(x.shape[1], device=x.device))  # [T, 4]: no sample axis
+        if self.through_matmul:
+            h = h + (h @ p.T) @ p  # [N, T, T] then [N, T, 4]: p broadcast by matmul
+        else:
+            h = h * p
+        return self.out(torch.tanh(h)).flatten(1)
+
+
+@pytest.mark.parametrize("through_matmul", [False, True], ids=["product", "matmul"])
+@pytest.mark.parametrize("extension", [BatchGrad, DiagGGNExact], ids=lambda e: e.__name__)
+def test_sample_free_lookup_broadcast_by_a_product_is_refused(through_matmul, extension):
+    """With T == N the leading axis of the lookup would pass for the samples: refused, not
+    silently wrong (through matmul the lookup is an operand of a matrix product over merged
+    sample and position rows: refused by the sample-count check)."""
+    torch.manual_seed(0)
+    model = extend(_ScaledByPositions(through_matmul).double())
+    lossfunc = extend(nn.CrossEntropyLoss())
+    x = torch.randn(5, 5, 3, dtype=torch.float64)  # N == T == 5
+    y = torch.randint(0, 10, (5,))
+    expected = (RuntimeError, NotImplementedError) if through_matmul else NotImplementedError
+    with pytest.raises(expected, match="no sample axis|samples along its batch axis"):
+        with backpack(extension()):
+            lossfunc(model(x), y).backward()
+    # the same model with the position embedding frozen is fine
+    model.pos.weight.requires_grad_(False)
+    model.zero_grad()
+    with backpack(BatchGrad()):
+        lossfunc(model(x), y).backward()
+    assert model.inp.weight.grad_batch.shape == (5, 4, 3)
+

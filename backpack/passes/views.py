@@ -109,6 +109,15 @@ def view_for_rules(
     samples run along axis 1), and calls whose output holds no sample axis at all but is
     broadcast over the samples (a position embedding of `torch.arange(T)`).
     """
+    unhandled = state.layout.unhandled_broadcast.get(id(record))
+    if unhandled is not None:
+        raise NotImplementedError(
+            f"The output of {describe(record.module)} holds no sample axis (its input has "
+            f"none) and is broadcast over the samples by an operation other than an addition "
+            f"({unhandled}), so its per-sample quantities cannot be told apart; taking its "
+            "leading axis as the samples would give wrong numbers. Give the call a sample axis "
+            "yourself (e.g. expand the indices to [N, T] before the lookup)."
+        )
     site = state.layout.broadcast.get(id(record))
     if site is not None and not record.freed:
         per_sample = None
