@@ -159,6 +159,7 @@ class Engine:
             for coverage in state.coverage.values():
                 if coverage.pending:
                     coverage.finish(None)
+            first_order.finish_param_sites(state)
             for acc in list(state.accumulators.values()):
                 first_order.finalize_accumulator(state, acc)
             for shared in list(state.curvatures.values()):

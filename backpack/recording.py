@@ -48,6 +48,9 @@ LOSS_CLASSES: set[type] = {nn.modules.loss._Loss}
 _LOSS_RECORDS: set[weakref.ref[Record]] = set()
 #: records of parametrized calls whose output may hold no sample axis (see `sample_free`)
 _SAMPLE_FREE: set[weakref.ref[Record]] = set()
+#: records of modules that own parameters and have child modules (a vision transformer's class
+#: token and position embedding belong to the model itself)
+_CONTAINERS: set[weakref.ref[Record]] = set()
 
 
 #: module classes whose rules and the engine read only the shape, dtype and device of the
@@ -429,6 +432,8 @@ def _remember(module: nn.Module, record: Record) -> None:
         _LOSS_RECORDS.add(weakref.ref(record, _LOSS_RECORDS.discard))
     elif module._parameters and sample_free(record.args):
         _SAMPLE_FREE.add(weakref.ref(record, _SAMPLE_FREE.discard))
+    if module._parameters and module._modules and not is_loss_module(module):
+        _CONTAINERS.add(weakref.ref(record, _CONTAINERS.discard))
 
 
 def sample_free(args: tuple) -> bool:
@@ -448,6 +453,11 @@ def sample_free(args: tuple) -> bool:
     if first is None:
         return False
     return not first.dtype.is_floating_point or first.dim() == 0 or first.shape[0] == 1
+
+
+def container_records() -> list[Record]:
+    """Live records of modules that own parameters and have child modules."""
+    return [r for r in _alive(_CONTAINERS) if not r.freed] if _CONTAINERS else []
 
 
 def has_sample_free_records() -> bool:
@@ -997,6 +1007,8 @@ def _record_single(
         and (not first.is_floating_point() or first.dim() == 0 or first.shape[0] == 1)
     ):
         _SAMPLE_FREE.add(weakref.ref(record, _SAMPLE_FREE.discard))
+    if own and module._modules and not is_loss:
+        _CONTAINERS.add(weakref.ref(record, _CONTAINERS.discard))
     refs = _LIVE_RECORDS.get(id(module))
     if refs is None:
         refs = _live_refs(module)

@@ -28,6 +28,7 @@ from torch.autograd.graph import GradientEdge
 from backpack.context import CTX
 from backpack.recording import (
     Record,
+    container_records,
     describe,
     has_sample_free_records,
     live_loss_records,
@@ -38,6 +39,7 @@ from backpack.recording import (
     trainable_params,
     walk_nodes,
 )
+from backpack.rules import find_rule
 
 
 def will_run(edge: Any) -> bool:
@@ -358,6 +360,101 @@ def _broadcast_site(
     return BroadcastSite(parts) if parts else None
 
 
+#: nodes a parameter may pass on its way to where it is broadcast (its shape follows them)
+_PARAM_VIEW_NODES = _RESHAPE_NODES - {"ExpandBackward0"}
+
+
+class ParamSite:
+    """Where a parameter used directly by a module without a rule meets the samples.
+
+    A vision transformer adds its position embedding `[1, L, D]` to `[N, L, D]` tokens and
+    expands its class token `[1, 1, D]` to `[N, 1, D]`: autograd sums over the samples right
+    there. Pre-hooks on those operations keep each sample's share, so the parameter's
+    per-sample gradients need no `torch.func` re-run of the whole model.
+    """
+
+    def __init__(
+        self, param: Tensor, node: Any, parts: list[tuple[_Addition, tuple[int, ...]]]
+    ) -> None:
+        self.shape = tuple(param.shape)
+        #: (capturing operation, the parameter's shape where it meets the samples)
+        self.parts = parts
+        #: the parameter's whole gradient in this pass (what the shares must add up to)
+        self.total: Tensor | None = None
+        self._handle = node.register_prehook(self._keep_total)
+
+    def _keep_total(self, grads: tuple) -> None:
+        self.total = grads[0]
+
+    def per_sample(self) -> Tensor | None:
+        """`[N, *param.shape]` from every use's captured gradient (None: one is missing)."""
+        total = None
+        for part, shape in self.parts:
+            if part.captured is None:
+                return None
+            share = part.per_sample(part.captured, torch.Size(shape))
+            if share is None:
+                return None
+            share = share.reshape(share.shape[0], *self.shape)
+            if total is not None and share.shape != total.shape:
+                return None
+            total = share if total is None else total + share
+        return total
+
+    def close(self) -> None:
+        """Remove the pre-hooks and forget the gradients."""
+        for part, _ in self.parts:
+            part.close()
+        self._handle.remove()
+        self.total = None
+
+
+def _param_site(param: Tensor, parents: dict[int, list[tuple[Any, int]]]) -> ParamSite | None:
+    """The operations broadcasting `param` over the samples, if that is all it is used for.
+
+    Paths from the parameter may pass reshaping views, then end in an addition or subtraction
+    that broadcasts it over a leading sample axis, or in an expansion that creates that axis.
+    """
+    try:
+        node = torch.autograd.graph.get_gradient_edge(param).node
+    except (AttributeError, RuntimeError):
+        return None
+    start = node
+    parts: list[tuple[_Addition, tuple[int, ...]]] = []
+    if not parents.get(id(node)):
+        return ParamSite(param, start, parts)  # unused by this backward (a mask token)
+    stack = [(node, tuple(param.shape))]
+    while stack:
+        node, shape = stack.pop()
+        consumers = {(id(p), i): (p, i) for p, i in parents.get(id(node), [])}
+        if not consumers:
+            return _close_all(parts)
+        for consumer, index in consumers.values():
+            name = consumer.name()
+            after = _forward_shape(consumer)
+            if after is None:
+                return None
+            if name in _PARAM_VIEW_NODES:
+                stack.append((consumer, after))
+                continue
+            if name == "ExpandBackward0" and _adds_sample_axis(shape, after):
+                parts.append((_Addition(consumer, 1.0), shape))
+                continue
+            if name not in ("AddBackward0", "SubBackward0") or not _adds_sample_axis(shape, after):
+                return _close_all(parts)
+            alpha = float(getattr(consumer, "_saved_alpha", 1)) if index == 1 else 1.0
+            if name == "SubBackward0" and index == 1:
+                alpha = -alpha
+            parts.append((_Addition(consumer, alpha), shape))
+    return ParamSite(param, start, parts)
+
+
+def _close_all(parts: list[tuple[_Addition, tuple[int, ...]]]) -> None:
+    for part, _ in parts:
+        part.close()
+    return None
+
+
 class SampleLayout:
     """The loss calls of one backward pass and how their samples line up."""
 
@@ -387,6 +484,10 @@ class SampleLayout:
         #: id(record) -> the operation that broadcasts its sample-free output over the samples
         #: where no per-sample gradient can be recovered (refused when the call is processed)
         self.unhandled_broadcast: dict[int, str] = {}
+        #: id(parameter) -> where a rule-less module's own parameter meets the samples
+        self.param_sites: dict[int, ParamSite] = {}
+        #: records of rule-less modules owning parameters and holding submodules
+        self._containers: list[Record] = []
         #: whether calls of this pass may be broadcast over the samples (then they are searched)
         self.candidates = False
         #: nodes explored for broadcast sites, and the consumers of each node seen
@@ -414,7 +515,10 @@ class SampleLayout:
         # calls that may be broadcast over the samples need the graph's consumers, several
         # losses need to know which calls they reach; otherwise nothing is walked up front
         layout.candidates = has_sample_free_records()
-        if layout.losses and (len(layout.losses) > 1 or layout.candidates):
+        layout._containers = [r for r in container_records() if find_rule(r.module) is None]
+        if layout.losses and (
+            len(layout.losses) > 1 or layout.candidates or layout._containers
+        ):
             layout.walk(batch_size)
         return layout
 
@@ -445,6 +549,7 @@ class SampleLayout:
                 self._visited[id(e.node)] = e.node
         self._parents = parents
         self._find_sites({k: (r, nodes[k]) for k, (r, _) in reached.items()})
+        self._find_param_sites(reached)
         parent = list(range(len(self.losses)))
 
         def find(i: int) -> int:
@@ -533,11 +638,25 @@ class SampleLayout:
             elif site is not None:
                 self.broadcast[key] = site
 
+    def _find_param_sites(self, reached: dict[int, tuple[Record, set[int]]]) -> None:
+        for record in self._containers:
+            if id(record) not in reached:
+                continue
+            for p in record.module._parameters.values():
+                if p is None or not p.requires_grad or id(p) in self.param_sites:
+                    continue
+                site = _param_site(p, self._parents)
+                if site is not None:
+                    self.param_sites[id(p)] = site
+
     def close(self) -> None:
         """Remove the hooks of the broadcast sites (end of the pass)."""
         for site in self.broadcast.values():
             site.close()
         self.broadcast = {}
+        for param_site in self.param_sites.values():
+            param_site.close()
+        self.param_sites = {}
 
     # --- per call ----------------------------------------------------------------------------
     @property

@@ -323,3 +323,29 @@ def test_sample_free_lookup_broadcast_by_a_product_is_refused(through_matmul, ex
         lossfunc(model(x), y).backward()
     assert model.inp.weight.grad_batch.shape == (5, 4, 3)
 
+
+
+def test_model_owned_parameters_meet_the_samples_without_torch_func(recwarn):
+    """A class token (expanded) and a position embedding (added) owned by the model itself: their
+    per-sample gradients come from where they are broadcast, even with dropout in training mode
+    (the forward's own masks; the torch.func fallback would have to refuse)."""
+    from problems import reference_per_sample_grads
+    from problems.containers import TokensWithClassToken
+
+    torch.manual_seed(0)
+    model = TokensWithClassToken().double()
+    model.mlp.insert(2, nn.Dropout(0.3))
+    model.train()
+    lossfunc = nn.CrossEntropyLoss()
+    x, y = torch.randn(4, 5, 3, dtype=torch.float64), torch.randint(0, 3, (4,))
+    torch.manual_seed(1)
+    reference = reference_per_sample_grads(model, x, lossfunc, y)
+    extend(model), extend(lossfunc)
+    torch.manual_seed(1)  # the same dropout masks
+    with backpack(BatchGrad(), Variance()):
+        lossfunc(model(x), y).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad_batch, reference[name], msg=name)
+        torch.testing.assert_close(p.variance, reference[name].var(0, unbiased=False), msg=name)
+        torch.testing.assert_close(p.grad, reference[name].sum(0), msg=name)
+    assert not [w for w in recwarn if "no dedicated rule" in str(w.message)]

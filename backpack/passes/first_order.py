@@ -286,6 +286,10 @@ def _first_order_quantities(
     if not builtin:
         return False
     record.check_unmodified(builtin[0].__class__.__name__)
+    sites = _captured_sites(state, record, params)
+    if sites is not None:
+        state.pending_sites.append((record, builtin, params, sites))
+        return True  # the record stays until the end of the pass
     rule = _rule_for(state, record, builtin)
     if rule is None:
         return False
@@ -397,6 +401,73 @@ def _first_order_direct(
             if state.sync is not None:  # distributed: the local sums of the global variance
                 local = (squares[name], sums[name], n)
                 state.sync.stash_variance(params[name], ext.savefield, *local)
+
+
+def _captured_sites(
+    state: BackwardState, record: Record, params: dict[str, Tensor]
+) -> dict[str, Any] | None:
+    """Sites of a rule-less call's parameters if all meet the samples only by broadcasting.
+
+    Then their per-sample gradients come from the sites (`samples.ParamSite`), without a
+    `torch.func` re-run of the call.
+    """
+    sites = {name: state.layout.param_sites.get(id(p)) for name, p in params.items()}
+    if not sites or any(site is None for site in sites.values()):
+        return None
+    if state.sync is not None or state.layout.several_groups:
+        return None  # distributed sums and placed rows: the general path
+    if state.derived_sums is not None and any(id(p) in state.derived_sums for p in params.values()):
+        return None
+    if find_rule(record.module) is not None or _batch_statistics_inside(record.module):
+        return None
+    # the shares are read off the pass's own graph: no re-run, so unlike the fallback they
+    # need no check that a sample alone gives its output (dropout masks are the forward's)
+    return sites
+
+
+def _batch_statistics_inside(module: nn.Module) -> bool:
+    """Whether a batch normalisation inside `module` normalises with the batch's statistics."""
+    return any(
+        isinstance(m, nn.modules.batchnorm._BatchNorm)
+        and (m.training or (m.running_mean is None and m.running_var is None))
+        for m in module.modules()
+    )
+
+
+def finish_param_sites(state: BackwardState) -> None:
+    """First-order quantities of the parameters met at their sites (end of the pass)."""
+    for record, builtin, params, sites in state.pending_sites:
+        psg = {}
+        for name, site in sites.items():
+            if site.total is None:
+                continue  # the parameter's gradient was not computed in this pass
+            shares = site.per_sample()
+            total = site.total
+            if shares is not None:
+                summed = shares.sum(0).to(total)
+                scale = float(total.abs().max()) if total.numel() else 0.0
+                tol = 1e-2 if total.dtype in (torch.float16, torch.bfloat16) else 1e-5
+                if not torch.allclose(summed, total, rtol=tol, atol=tol * scale):
+                    shares = None
+            if shares is None:
+                raise RuntimeError(
+                    f"Parameter {name} of {describe(record.module)} meets the samples where "
+                    "it is broadcast over them, but its per-sample shares do not add up to its "
+                    "gradient (it is also used elsewhere). Compute it inside a submodule, or "
+                    "report the model to backpack."
+                )
+            psg[name] = shares
+        if not psg:
+            continue
+        names = list(psg)
+        quantities = _Quantities(None, None, (), names, next(iter(psg.values())).shape[0], psg)
+        for ext in builtin:
+            values = quantities.get(ext.quantity, ext.get_subsampling())
+            for name in names:
+                setattr(params[name], ext.savefield, values[name])
+        for name in names:
+            state.written.add(id(params[name]))
+    state.pending_sites = []
 
 
 def add_derived(state: BackwardState, param: Tensor, gradient: Tensor) -> None:

@@ -142,6 +142,9 @@ class BackwardState:
         self.sqrt_pieces: dict[tuple[int, Any], tuple[SecondOrderBackpropExtension, Any]] = {}
         #: ids of parameters whose first-order quantities are stored in this pass
         self.written: set[int] = set()
+        #: rule-less calls whose own parameters' per-sample gradients come from their sites
+        #: (`samples.ParamSite`) at the end of the pass: (record, extensions, params, sites)
+        self.pending_sites: list[tuple[Record, list, dict[str, Tensor], dict[str, Any]]] = []
         for coverage in self.coverage.values():
             coverage.pending = []
             if coverage.handle is not None:
