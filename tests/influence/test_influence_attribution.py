@@ -1,0 +1,170 @@
+"""`backpack.influence.fit`: every strategy's scores against dense float64 brute force."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from influence_problems import (
+    PROBLEMS,
+    Reference,
+    block_diagonal,
+    ekfac_dense,
+    heuristic_damping,
+)
+
+from backpack.curvature import KFAC
+from backpack.influence import Influence, fit, load
+
+STRATEGIES = ["identity", "diagonal", "kfac", "ekfac"]
+
+
+def close(a, b, atol=1e-10, rtol=1e-8):
+    assert a.shape == b.shape, (a.shape, b.shape)
+    torch.testing.assert_close(a, b, atol=atol, rtol=rtol)
+
+
+def approximation(strategy, fisher, problem, model, ref, reduction):
+    """The dense approximation of F (the mean over the training examples) of `strategy`."""
+    exact = ref.empirical_fisher() if fisher == "empirical" else ref.type2_fisher()
+    spans = ref.blocks()
+    if strategy == "diagonal":
+        return torch.diag(exact.diagonal())
+    kfac = KFAC(
+        model,
+        problem.make_loss(reduction),
+        problem.train(),
+        fisher_type="empirical" if fisher == "empirical" else "type-2",
+    )
+    if strategy == "kfac":
+        # KFAC's scale is the data-set loss's, R Σ_n; F is the mean over the N examples
+        nu, n = problem.normaliser(reduction), problem.X.shape[0]
+        return kfac.to_dense() * nu / n
+    assert strategy == "ekfac"
+    return block_diagonal(ekfac_dense(kfac.factors, ref, exact, problem.transposed), spans)
+
+
+def expected_scores(strategy, fisher, damping, problem, model, ref, reduction):
+    Gq, Gt = ref.query_grads(), ref.train_grads()
+    if strategy == "identity":
+        return Gq @ Gt.T, (Gt * Gt).sum(1)
+    M = approximation(strategy, fisher, problem, model, ref, reduction)
+    if damping is None:
+        lam = heuristic_damping(M, ref.blocks())
+    else:
+        lam = torch.full((M.shape[0],), damping, dtype=M.dtype)
+    inverse = torch.linalg.inv(M + torch.diag(lam))
+    return Gq @ inverse @ Gt.T, ((Gt @ inverse) * Gt).sum(1)
+
+
+@pytest.mark.parametrize("damping", [None, 0.05])
+@pytest.mark.parametrize("fisher", ["empirical", "type-2"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("name", ["mlp", "cnn", "tokens", "transformer"])
+def test_scores_match_brute_force(name, strategy, fisher, damping):
+    problem = PROBLEMS[name]
+    model = problem.model()
+    reduction = "mean"
+    lossfunc = problem.make_loss(reduction)
+    influence = fit(
+        model, lossfunc, problem.train(), strategy=strategy, damping=damping, fisher=fisher
+    )
+    ref = Reference(problem, model)
+    scores, self_scores = expected_scores(
+        strategy, fisher, damping, problem, model, ref, reduction
+    )
+    close(influence.scores(problem.query(), problem.train(size=3)), scores)
+    close(influence.self_scores(problem.train(size=5)), self_scores)
+
+
+@pytest.mark.parametrize("strategy", ["diagonal", "kfac", "ekfac"])
+def test_sum_reduction_gives_the_same_scores(strategy):
+    """F is the mean over examples whatever the loss's reduction: the scores do not change."""
+    problem = PROBLEMS["mlp"]
+    model = problem.model()
+    scores = {
+        r: fit(model, problem.make_loss(r), problem.train(), strategy, fisher="type-2").scores(
+            problem.query(), problem.train()
+        )
+        for r in ("mean", "sum")
+    }
+    close(scores["mean"], scores["sum"])
+    ref = Reference(problem, model)
+    close(scores["sum"], expected_scores(strategy, "type-2", None, problem, model, ref, "sum")[0])
+
+
+@pytest.mark.parametrize("strategy", ["diagonal", "ekfac"])
+def test_true_fisher_is_seeded_and_tends_to_the_type2_fisher(strategy):
+    problem = PROBLEMS["mlp"]
+    model = problem.model()
+    lossfunc = problem.make_loss("mean")
+    state = torch.random.get_rng_state()
+    a = fit(model, lossfunc, problem.train(), strategy, fisher="true", seed=3)
+    assert torch.equal(state, torch.random.get_rng_state())
+    b = fit(model, lossfunc, problem.train(), strategy, fisher="true", seed=3)
+    sa = a.scores(problem.query(), problem.train())
+    close(sa, b.scores(problem.query(), problem.train()), atol=0, rtol=0)
+    many = fit(model, lossfunc, problem.train(), strategy, fisher="true", mc_samples=4000)
+    exact = fit(model, lossfunc, problem.train(), strategy, fisher="type-2")
+    s_many = many.scores(problem.query(), problem.train())
+    s_exact = exact.scores(problem.query(), problem.train())
+    assert (s_many - s_exact).abs().max() / s_exact.abs().max() < 0.05
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_save_load_roundtrip(strategy, tmp_path):
+    problem = PROBLEMS["transformer"]
+    model = problem.model()
+    lossfunc = problem.make_loss("mean")
+    influence = fit(model, lossfunc, problem.train(), strategy, fisher="empirical")
+    path = tmp_path / "fit.pt"
+    influence.save(path)
+    state = torch.load(path, weights_only=True)
+    assert state["strategy"] == strategy
+    other = copy.deepcopy(problem.model())  # same weights, a fresh module
+    loaded = load(path, other, problem.make_loss("mean"))
+    assert isinstance(loaded, Influence)
+    assert loaded.damping == influence.damping
+    before = influence.scores(problem.query(), problem.train())
+    close(loaded.scores(problem.query(), problem.train()), before, atol=0, rtol=0)
+    close(loaded.self_scores(problem.train()), influence.self_scores(problem.train()))
+
+
+def test_load_refuses_another_model(tmp_path):
+    problem = PROBLEMS["mlp"]
+    model = problem.model()
+    fit(model, problem.make_loss("mean"), problem.train(), "kfac").save(tmp_path / "f.pt")
+    with pytest.raises(ValueError, match="trainable parameters"):
+        load(tmp_path / "f.pt", PROBLEMS["cnn"].model(), problem.make_loss("mean"))
+    torch.save({"x": torch.ones(1)}, tmp_path / "g.pt")
+    with pytest.raises(ValueError, match="influence fit"):
+        load(tmp_path / "g.pt", model, problem.make_loss("mean"))
+
+
+def test_errors_and_frozen_parameters():
+    problem = PROBLEMS["mlp"]
+    model = problem.model()
+    lossfunc = problem.make_loss("mean")
+    with pytest.raises(ValueError, match="strategy"):
+        fit(model, lossfunc, problem.train(), "lissa")
+    with pytest.raises(ValueError, match="fisher"):
+        fit(model, lossfunc, problem.train(), fisher="mc")
+    with pytest.raises(ValueError, match="damping"):
+        fit(model, lossfunc, problem.train(), "diagonal", damping=-1.0)
+    # frozen parameters are left out of the gradients and of F
+    model[0].weight.requires_grad_(False)
+    influence = fit(model, lossfunc, problem.train(), "ekfac", fisher="empirical", damping=0.1)
+    scores = influence.scores(problem.query(), problem.train())
+    ref = Reference(problem, model)
+    assert ref.theta.numel() == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    expected, _ = expected_scores("ekfac", "empirical", 0.1, problem, model, ref, "mean")
+    close(scores, expected)
+
+
+def test_progress_bar(capsys):
+    pytest.importorskip("tqdm")
+    problem = PROBLEMS["mlp"]
+    model = problem.model()
+    influence = fit(model, problem.make_loss("mean"), problem.train(), "diagonal", progress=True)
+    assert influence.scores(problem.query(), problem.train(), progress=True).shape == (3, 11)
