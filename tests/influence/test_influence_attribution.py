@@ -71,9 +71,7 @@ def test_scores_match_brute_force(name, strategy, fisher, damping):
         model, lossfunc, problem.train(), strategy=strategy, damping=damping, fisher=fisher
     )
     ref = Reference(problem, model)
-    scores, self_scores = expected_scores(
-        strategy, fisher, damping, problem, model, ref, reduction
-    )
+    scores, self_scores = expected_scores(strategy, fisher, damping, problem, model, ref, reduction)
     close(influence.scores(problem.query(), problem.train(size=3)), scores)
     close(influence.self_scores(problem.train(size=5)), self_scores)
 
