@@ -81,7 +81,12 @@ def row_batches(
         scale = nu if reduction == "mean" else 1.0
         rows = {}
         for (name, p), g in zip(params, saved):
-            value = getattr(p, field)
+            value = getattr(p, field, None)
+            if value is None:
+                raise ValueError(
+                    f"Parameter {name} got no {field!r} in batch {batch.index} (does it take "
+                    "part in the loss, and is its layer supported? see the warnings)."
+                )
             delattr(p, field)
             p.grad = g
             if kind == "grad":

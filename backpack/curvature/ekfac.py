@@ -196,7 +196,8 @@ class EKFAC(CurvatureOperator):
             `BatchGrad`).
         kfac_approx: "expand" or "reduce", the convention of the Kronecker factors.
         mc_samples: Number of sampled labels per sample for "mc".
-        seed: Seed of the "mc" draws (the global RNG is forked, not advanced).
+        seed: Seed of the "mc" draws: `seed` for the factors, `seed + 1` for the corrected
+            eigenvalues (the global RNG is forked, not advanced).
         progress: Show progress bars (tqdm).
         normaliser: Custom `(output, y) -> ν_b`.
         num_samples: Custom `X -> number of samples`.

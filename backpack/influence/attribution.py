@@ -18,7 +18,7 @@ The strategy approximates `F` (block diagonal over the parameters except "identi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -119,7 +119,7 @@ class Influence:
         reduction_of(lossfunc, normaliser)  # fail early on an unusable loss
 
     # --- per-example gradients and the preconditioner ---------------------------------------
-    def gradients(self, data: Iterable, progress: bool = False):
+    def gradients(self, data: Iterable, progress: bool = False) -> Iterator[dict[str, Tensor]]:
         """Yield `{parameter name: [n_b, *shape]}`: each batch's gradients of its own losses."""
         for _, rows, _ in row_batches(
             self.model,

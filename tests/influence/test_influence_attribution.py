@@ -13,6 +13,7 @@ from influence_problems import (
     ekfac_dense,
     heuristic_damping,
 )
+from torch import nn
 
 from backpack.curvature import KFAC
 from backpack.influence import Influence, fit, load
@@ -166,3 +167,49 @@ def test_progress_bar(capsys):
     model = problem.model()
     influence = fit(model, problem.make_loss("mean"), problem.train(), "diagonal", progress=True)
     assert influence.scores(problem.query(), problem.train(), progress=True).shape == (3, 11)
+
+
+class _Unused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.extra = nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def test_a_parameter_outside_the_loss_is_refused():
+    problem = PROBLEMS["mlp"]
+    model = _Unused().double()
+    with pytest.raises(ValueError, match="got no"):
+        fit(model, problem.make_loss("mean"), problem.train(), "diagonal")
+
+
+@pytest.mark.parametrize("strategy", ["identity", "diagonal"])
+def test_examples_without_loss_terms_score_zero(strategy):
+    """A batch whose targets are all ignored has zero gradients (and adds nothing to F)."""
+    problem = PROBLEMS["tokens"]
+    model = problem.model()
+    lossfunc = problem.make_loss("mean")
+    Y = problem.Y.clone()
+    Y[4:8] = -100
+    train = problem.batches(problem.X, Y, 4)  # the second batch has no loss term
+    influence = fit(model, lossfunc, train, strategy, fisher="empirical")
+    scores = influence.scores(problem.query(), train)
+    assert (scores[:, 4:8] == 0).all()
+    ref = Reference(problem, model)
+    Gt = ref.grads(problem.X, Y)
+    Gq = ref.query_grads()
+    if strategy == "identity":
+        expected = Gq @ Gt.T
+    else:
+        diag = (Gt * Gt).mean(0)
+        lam = torch.cat(
+            [
+                torch.full((b - a,), 0.1 * diag[a:b].mean().item(), dtype=torch.float64)
+                for a, b in ref.blocks()
+            ]
+        )
+        expected = Gq @ torch.diag(1 / (diag + lam)) @ Gt.T
+    close(scores, expected)
