@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from backpack.curvature._data import Normaliser, reduction_of, trainable
+from backpack.curvature._data import Normaliser, needs_reiterable, reduction_of, trainable
 from backpack.curvature._rows import row_batches
 from backpack.curvature.kfac import KFAC
 from backpack.curvature.operators import CurvatureOperator
@@ -222,6 +222,7 @@ class EKFAC(CurvatureOperator):
         normaliser: Normaliser | None = None,
         num_samples: Callable[[Any], int] | None = None,
     ) -> None:
+        needs_reiterable(data, "EKFAC")
         kfac = KFAC(
             model,
             lossfunc,

@@ -134,7 +134,10 @@ class Influence:
             yield {name: value.detach() for name, value in rows.items()}
 
     def _scale(self, block: EigenBlock) -> Tensor:
-        return 1 / (block.values + self.damping[block.name])
+        """`1 / (values + λ)`, and 0 where both vanish (a pseudo-inverse there)."""
+        denominator = block.values + self.damping[block.name]
+        positive = denominator > 0
+        return torch.where(positive, 1 / torch.where(positive, denominator, 1), 0)
 
     def precondition(self, rows: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """`(F + λI)⁻¹ g` for gradients `{name: [K, *shape]}`; `{name: [K, numel]}` out."""
@@ -258,7 +261,8 @@ def fit(
             gradient dot products, no fit), "diagonal" (`diag F`), "kfac" (`G ⊗ A` per
             parameter) or "ekfac" (KFAC's eigenbasis with `F`'s own eigenvalues in it).
         damping: λ for every block; None: per block, `0.1 ×` the mean of its eigenvalues (for
-            "diagonal": of its diagonal entries).
+            "diagonal": of its diagonal entries). Directions where both the approximation and
+            λ vanish are left out (a pseudo-inverse).
         fisher: "true" (labels sampled from the model), "type-2" (its exact expectation, the
             GGN) or "empirical" (the data's labels).
         mc_samples: Sampled labels per example for "true".

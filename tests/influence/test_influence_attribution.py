@@ -213,3 +213,32 @@ def test_examples_without_loss_terms_score_zero(strategy):
         )
         expected = Gq @ torch.diag(1 / (diag + lam)) @ Gt.T
     close(scores, expected)
+
+
+def test_one_shot_iterators_score_but_ekfac_needs_a_reiterable():
+    problem = PROBLEMS["mlp"]
+    model = problem.model()
+    lossfunc = problem.make_loss("mean")
+    with pytest.raises(TypeError, match="re-iterable"):
+        fit(model, lossfunc, iter(problem.train()), "ekfac")
+    influence = fit(model, lossfunc, problem.train(), "kfac", damping=0.1)
+    expected = influence.scores(problem.query(), problem.train())
+    close(influence.scores(iter(problem.query()), iter(problem.train())), expected, atol=0, rtol=0)
+
+
+def test_zero_damping_on_a_singular_block_is_a_pseudo_inverse():
+    """One training sequence: the embedding rows of absent tokens have no curvature; with
+    damping 0 they are left out instead of dividing by zero."""
+    problem = PROBLEMS["tokens"]
+    model = problem.model()
+    lossfunc = problem.make_loss("sum")
+    train = problem.batches(problem.X[:1], problem.Y[:1], 1)
+    influence = fit(model, lossfunc, train, "diagonal", damping=0.0, fisher="empirical")
+    ref = Reference(problem, model)
+    g = ref.grads(problem.X[:1], problem.Y[:1])[0]
+    assert (g == 0).any()
+    gq = ref.query_grads()
+    inverse = torch.where(g != 0, 1 / torch.where(g != 0, g * g, 1), 0)
+    scores = influence.scores(problem.query(), train)
+    assert torch.isfinite(scores).all()
+    close(scores, (gq * inverse * g).sum(1, keepdim=True))
