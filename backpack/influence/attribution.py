@@ -231,8 +231,6 @@ class Influence:
 def _damping(blocks: list[EigenBlock], damping: float | None) -> dict[str, float]:
     if damping is None:
         return {b.name: HEURISTIC_DAMPING * float(b.values.mean()) for b in blocks}
-    if damping < 0:
-        raise ValueError(f"damping must be non-negative, got {damping}.")
     return {b.name: float(damping) for b in blocks}
 
 
@@ -287,6 +285,8 @@ def fit(
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
     if fisher not in _FISHERS:
         raise ValueError(f"fisher must be one of {tuple(_FISHERS)}, got {fisher!r}.")
+    if damping is not None and damping < 0:
+        raise ValueError(f"damping must be non-negative, got {damping}.")
     info: dict[str, Any] = {"fisher": fisher, "kfac_approx": kfac_approx}
     if strategy == "identity":
         return Influence(
