@@ -76,6 +76,8 @@ def row_batches(
                 continue
             loss = lossfunc(output, batch.y)
             saved = [p.grad for _, p in params]
+            for _, p in params:  # backward would add into the saved tensors in place
+                p.grad = None
             with backpack(extension, sync=False):
                 loss.backward()
         scale = nu if reduction == "mean" else 1.0

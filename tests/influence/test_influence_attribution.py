@@ -242,3 +242,28 @@ def test_zero_damping_on_a_singular_block_is_a_pseudo_inverse():
     scores = influence.scores(problem.query(), train)
     assert torch.isfinite(scores).all()
     close(scores, (gq * inverse * g).sum(1, keepdim=True))
+
+
+def test_float32_model_and_untouched_gradients():
+    """A float32 model scores like its float64 copy; `.grad` and backpack's fields stay as
+    they were."""
+    problem = PROBLEMS["cnn"]
+    model64 = problem.model()
+    model32 = copy.deepcopy(model64).float()
+    for p in model32.parameters():
+        p.grad = torch.ones_like(p)
+    lossfunc = problem.make_loss("mean")
+
+    def data(batches, dtype):
+        return [(X.to(dtype), y) for X, y in batches]
+
+    s64 = fit(model64, lossfunc, problem.train(), "ekfac", fisher="empirical").scores(
+        problem.query(), problem.train()
+    )
+    f32 = fit(model32, lossfunc, data(problem.train(), torch.float32), "ekfac", fisher="empirical")
+    s32 = f32.scores(data(problem.query(), torch.float32), data(problem.train(), torch.float32))
+    assert s32.dtype == torch.float32
+    assert (s32.double() - s64).abs().max() < 1e-3 * s64.abs().max()
+    for p in model32.parameters():
+        assert torch.equal(p.grad, torch.ones_like(p))
+        assert not hasattr(p, "grad_batch") and not hasattr(p, "kflr")
