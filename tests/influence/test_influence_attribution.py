@@ -93,7 +93,7 @@ def test_sum_reduction_gives_the_same_scores(strategy):
     close(scores["sum"], expected_scores(strategy, "type-2", None, problem, model, ref, "sum")[0])
 
 
-@pytest.mark.parametrize("strategy", ["diagonal", "ekfac"])
+@pytest.mark.parametrize("strategy", ["diagonal", "kfac", "ekfac"])
 def test_true_fisher_is_seeded_and_tends_to_the_type2_fisher(strategy):
     problem = PROBLEMS["mlp"]
     model = problem.model()
