@@ -54,6 +54,8 @@ FLOORS = {
     # the data-set layer: built on the user API only (extend, backpack(...), extensions)
     "backpack.curvature": 8,
     "backpack": 8,
+    # 9 applications of the data-set layer
+    "backpack.influence": 9,
 }
 
 MAX_CLASS_LINES = 500

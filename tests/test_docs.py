@@ -28,6 +28,7 @@ RUNNABLE_PAGES = [
     "residual-networks.md",
     "transformers.md",
     "curvature.md",
+    "influence.md",
     "verify.md",
 ]
 

@@ -39,6 +39,18 @@ SMALL = {
         "3",
     ],
     "example_gradient_snr": ["--batch-size", "5", "--channels", "2"],
+    "example_influence_digits": [
+        "--train",
+        "40",
+        "--test",
+        "2",
+        "--hidden",
+        "4",
+        "--train-steps",
+        "5",
+        "--batch-size",
+        "16",
+    ],
     # relaunches itself with torchrun --nproc_per_node=2 (gloo on the CPU)
     "example_distributed": ["--steps", "2", "--batch-size", "4", "--hidden", "4"],
     "example_gpt_dp_clipping": [

@@ -3,7 +3,8 @@
 - `accumulate(model, lossfunc, data, extensions)`: each extension's quantity of the data-set loss
   (one backward per batch), as an `Accumulated` result that merges with other sweeps.
 - Operators over a data set: `GGN`, `Hessian`, `EmpiricalFisher` (exact products, batched over
-  columns) and `KFAC` (Kronecker-factored, closed-form inverse and log-determinant).
+  columns), `KFAC` (Kronecker-factored, closed-form inverse and log-determinant) and `EKFAC`
+  (KFAC's eigenbasis with eigenvalues refitted to the curvature).
 - Estimators on any symmetric operator: `eigvalsh`, `hutchinson_trace`, `hutchinson_diagonal`,
   `hutchpp_trace`.
 
@@ -11,6 +12,7 @@ This is the data-set layer: it is built only on `extend` and `backpack(...)`.
 """
 
 from backpack.curvature.accumulate import Accumulated, accumulate
+from backpack.curvature.ekfac import EKFAC, EKFACInverse
 from backpack.curvature.estimators import (
     eigvalsh,
     hutchinson_diagonal,
@@ -29,6 +31,8 @@ __all__ = [
     "EmpiricalFisher",
     "KFAC",
     "KFACInverse",
+    "EKFAC",
+    "EKFACInverse",
     "eigvalsh",
     "hutchinson_trace",
     "hutchinson_diagonal",

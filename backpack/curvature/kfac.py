@@ -173,7 +173,8 @@ def _empirical_factors(model, lossfunc, data, extension, progress, normaliser, n
     )
     scale = 2 * (wrapper.total if wrapper.reduction == "mean" else 1.0)
     factors = result.quantity(extension.savefield)
-    return {name[len("inner.") :]: [f[0] / scale, *f[1:]] for name, f in factors.items()}
+    factors = {name[len("inner.") :]: [f[0] / scale, *f[1:]] for name, f in factors.items()}
+    return factors, scale / 2, result.num_samples
 
 
 class KFAC(CurvatureOperator):
@@ -230,7 +231,7 @@ class KFAC(CurvatureOperator):
         self.kfac_approx = kfac_approx
         devices = [self.device] if self.device.type == "cuda" else []
         if fisher_type == "empirical":
-            factors = _empirical_factors(
+            factors, total, count = _empirical_factors(
                 model, lossfunc, data, extension, progress, normaliser, num_samples
             )
         else:
@@ -247,6 +248,11 @@ class KFAC(CurvatureOperator):
                     write=False,
                 )
             factors = result.quantity(extension.savefield)
+            total, count = result.normaliser, result.num_samples
+        #: what the data-set loss divides its summed terms by (`ν` for "mean", 1 for "sum")
+        self.normaliser_total = total
+        #: the number of samples of the data set
+        self.num_samples_total = count
         owners = {}
         for module in model.modules():
             for p in module.parameters(recurse=False):

@@ -1,0 +1,99 @@
+"""Rows of a data set, batch by batch: per-sample gradients or square-root factors of the Fisher.
+
+A row is a vector over the parameters; a batch gives a few of them and the sum of their outer
+products over the data set is the curvature at the scale of `reduction="sum"`:
+
+- `"grad"`: each sample's gradient of its own loss (`BatchGrad`, times `ν_b` for "mean"), so
+  `Σ rows rowsᵀ = Σ_n ∇ℓ_n ∇ℓ_nᵀ` (the empirical Fisher without the reduction factor);
+- `"type-2"`: the exact loss-Hessian square roots (`SqrtGGNExact`, times `√ν_b`), summing to the
+  GGN of the summed losses;
+- `"mc"`: gradients with sampled labels (`SqrtGGNMC`, times `√ν_b`), summing to a Monte-Carlo
+  estimate of it (the "true" Fisher).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from backpack.api import backpack, extend
+from backpack.curvature._data import (
+    Batch,
+    Normaliser,
+    batch_normaliser,
+    reduction_of,
+    sweep,
+    trainable,
+)
+from backpack.extensions import BatchGrad, SqrtGGNExact, SqrtGGNMC
+
+KINDS = ("grad", "type-2", "mc")
+
+
+def row_batches(
+    model: nn.Module,
+    lossfunc: Any,
+    data: Iterable,
+    kind: str = "grad",
+    mc_samples: int = 1,
+    progress: bool = False,
+    desc: str = "rows",
+    normaliser: Normaliser | None = None,
+    num_samples: Callable[[Any], int] | None = None,
+) -> Iterator[tuple[Batch, dict[str, Tensor], float]]:
+    """Yield `(batch, {name: rows [R_b, *shape]}, ν_b)` for every batch of `data`.
+
+    The rows are at the scale of `reduction="sum"` (see the module docstring). For `"grad"`,
+    `R_b` is the batch's number of samples, row n the gradient of sample n's own loss. A batch
+    without loss terms (all targets ignored) gives zero rows. The parameters' `.grad` is kept.
+
+    Raises:
+        ValueError: For an unknown `kind`.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}.")
+    extend(model)
+    if isinstance(lossfunc, nn.Module):
+        extend(lossfunc)
+    reduction = reduction_of(lossfunc, normaliser)
+    params = trainable(model)
+    if kind == "grad":
+        extension, field = BatchGrad(), "grad_batch"
+    elif kind == "type-2":
+        extension, field = SqrtGGNExact(), "sqrt_ggn_exact"
+    else:
+        extension, field = SqrtGGNMC(mc_samples=mc_samples), "sqrt_ggn_mc"
+    for batch in sweep(data, progress, desc, num_samples):
+        with torch.enable_grad():
+            output = model(batch.X)
+            nu = batch_normaliser(lossfunc, output, batch.y, normaliser)
+            if reduction == "mean" and nu == 0:
+                rows = {name: p.new_zeros(batch.num_samples, *p.shape) for name, p in params}
+                yield batch, rows, nu
+                continue
+            loss = lossfunc(output, batch.y)
+            saved = [p.grad for _, p in params]
+            for _, p in params:  # backward would add into the saved tensors in place
+                p.grad = None
+            with backpack(extension, sync=False):
+                loss.backward()
+        scale = nu if reduction == "mean" else 1.0
+        rows = {}
+        for (name, p), g in zip(params, saved):
+            value = getattr(p, field, None)
+            if value is None:
+                raise ValueError(
+                    f"Parameter {name} got no {field!r} in batch {batch.index} (does it take "
+                    "part in the loss, and is its layer supported? see the warnings)."
+                )
+            delattr(p, field)
+            p.grad = g
+            if kind == "grad":
+                rows[name] = value * scale
+            else:  # [C or M, N, *shape] -> [C·N, *shape]
+                rows[name] = value.flatten(0, 1) * scale**0.5
+        del output, loss
+        yield batch, rows, nu

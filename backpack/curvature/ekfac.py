@@ -1,0 +1,330 @@
+"""`EKFAC`: KFAC's eigenbasis with eigenvalues refitted to the curvature (George et al., 2018).
+
+Per parameter block, KFAC's `G ⊗ A` has the eigenbasis `Q = Q_G ⊗ Q_A` and the eigenvalues
+`λ_G,i λ_A,j`. EK-FAC keeps `Q` and replaces the eigenvalues by the diagonal of the curvature
+itself in that basis, `Λ*_k = q_kᵀ F q_k`, which for `F = R Σ_r u_r u_rᵀ` (rows `u_r`: per-sample
+gradients, or square-root factors of the GGN) is `R Σ_r (q_kᵀ u_r)²`. Among all matrices
+`Q diag(d) Qᵀ`, that `d` is the closest to `F`'s block in the Frobenius norm. Blocks with one dense
+factor `B` (biases, parameters without a Kronecker rule) use `B`'s eigenbasis the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from backpack.curvature._data import Normaliser, needs_reiterable, reduction_of, trainable
+from backpack.curvature._rows import row_batches
+from backpack.curvature.kfac import KFAC
+from backpack.curvature.operators import CurvatureOperator
+
+__all__ = ["EKFAC", "EKFACInverse", "EigenBlock"]
+
+#: which rows (see `_rows`) give the curvature of each `fisher_type`
+_ROWS = {"type-2": "type-2", "mc": "mc", "empirical": "grad"}
+
+
+class EigenBlock:
+    """One parameter's block `Q diag(values) Qᵀ` with `Q = Q_0 ⊗ Q_1`, `Q_0`, or the identity.
+
+    Args:
+        name: The parameter's name.
+        shape: The parameter's shape.
+        vectors: `[Q_0, Q_1]` (Kronecker eigenbasis), `[Q_0]` (dense eigenbasis) or `[]`
+            (identity: a diagonal block).
+        values: The eigenvalues, of shape `(size_0, size_1)`, `(size_0,)` or `(numel,)`.
+        transposed: Whether the coordinates are those of `parameter.transpose(0, 1)` (the
+            Kronecker factors of embeddings and transposed convolutions).
+    """
+
+    def __init__(
+        self, name: str, shape: tuple, vectors: list[Tensor], values: Tensor, transposed: bool
+    ) -> None:
+        self.name = name
+        self.shape = tuple(shape)
+        self.vectors = list(vectors)
+        self.values = values
+        self.transposed = transposed
+
+    @property
+    def numel(self) -> int:
+        """The parameter's number of entries."""
+        return math.prod(self.shape)
+
+    def to_own(self, v: Tensor) -> Tensor:
+        """`[K, *shape]` → `[K, *values.shape]` in the block's coordinates."""
+        if self.transposed:
+            v = v.transpose(1, 2)
+        return v.reshape(v.shape[0], *self.values.shape)
+
+    def from_own(self, w: Tensor) -> Tensor:
+        """Inverse of `to_own`, flattened: `[K, numel]` in the parameter's row-major order."""
+        if self.transposed:
+            swapped = (self.shape[1], self.shape[0], *self.shape[2:])
+            return w.reshape(w.shape[0], *swapped).transpose(1, 2).reshape(w.shape[0], -1)
+        return w.reshape(w.shape[0], -1)
+
+    def rotate(self, w: Tensor) -> Tensor:
+        """`Qᵀ w` for `w` `[K, *values.shape]` in the block's coordinates."""
+        if len(self.vectors) == 2:
+            return self.vectors[0].T @ w @ self.vectors[1]
+        if len(self.vectors) == 1:
+            return w @ self.vectors[0]
+        return w
+
+    def unrotate(self, w: Tensor) -> Tensor:
+        """`Q w`: inverse of `rotate`."""
+        if len(self.vectors) == 2:
+            return self.vectors[0] @ w @ self.vectors[1].T
+        if len(self.vectors) == 1:
+            return w @ self.vectors[0].T
+        return w
+
+    def apply(self, v: Tensor, scale: Tensor) -> Tensor:
+        """`Q diag(scale) Qᵀ v` for `v` `[K, *shape]`, `[K, numel]` out."""
+        return self.from_own(self.unrotate(self.rotate(self.to_own(v)) * scale))
+
+    def squares(self, rows: Tensor) -> Tensor:
+        """`Σ_r (Qᵀ u_r)²` over rows `[R, *shape]`, of shape `values.shape`."""
+        return self.rotate(self.to_own(rows)).square().sum(0)
+
+    def quadratic(self, rows: Tensor, scale: Tensor) -> Tensor:
+        """`u_rᵀ Q diag(scale) Qᵀ u_r` for every row `[R, *shape]`: `[R]`."""
+        rotated = self.rotate(self.to_own(rows)).square() * scale
+        return rotated.reshape(rows.shape[0], -1).sum(1)
+
+    def permutation(self) -> Tensor | None:
+        """Index `idx` with `param.flatten()[idx]` = the block's flattening (None: identity)."""
+        if not self.transposed:
+            return None
+        return torch.arange(self.numel).reshape(self.shape).transpose(0, 1).flatten()
+
+    def dense(self, scale: Tensor) -> Tensor:
+        """`Q diag(scale) Qᵀ` as a `[numel, numel]` matrix in the parameter's flattening."""
+        if len(self.vectors) == 2:
+            q = torch.kron(self.vectors[0], self.vectors[1])
+        elif len(self.vectors) == 1:
+            q = self.vectors[0]
+        else:
+            q = torch.eye(self.numel, dtype=scale.dtype, device=scale.device)
+        out = (q * scale.flatten()) @ q.T
+        idx = self.permutation()
+        if idx is None:
+            return out
+        placed = torch.empty_like(out)
+        placed[idx[:, None], idx[None, :]] = out
+        return placed
+
+    def diagonal(self, scale: Tensor) -> Tensor:
+        """The diagonal of `Q diag(scale) Qᵀ`, `[numel]` in the parameter's flattening."""
+        if len(self.vectors) == 2:
+            d = (self.vectors[0].square() @ scale @ self.vectors[1].square().T).flatten()
+        elif len(self.vectors) == 1:
+            d = self.vectors[0].square() @ scale
+        else:
+            d = scale.flatten()
+        idx = self.permutation()
+        if idx is None:
+            return d
+        out = torch.empty_like(d)
+        out[idx] = d
+        return out
+
+    def state(self) -> dict[str, Any]:
+        """The block as plain tensors and numbers (for `torch.save`)."""
+        return {
+            "name": self.name,
+            "shape": list(self.shape),
+            "vectors": list(self.vectors),
+            "values": self.values,
+            "transposed": self.transposed,
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> EigenBlock:
+        """Inverse of `state`."""
+        return cls(
+            state["name"],
+            tuple(state["shape"]),
+            list(state["vectors"]),
+            state["values"],
+            bool(state["transposed"]),
+        )
+
+
+def kfac_eigenblocks(kfac: KFAC) -> list[EigenBlock]:
+    """KFAC's blocks in their eigenbases: `Q_G ⊗ Q_A` with eigenvalues `λ_G,i λ_A,j` (or `Q_B`)."""
+    blocks = []
+    for b in kfac.blocks:
+        eig = b.eig()
+        blocks.append(
+            EigenBlock(b.name, b.shape, [q for _, q in eig], b.eigenvalues(), b.transposed)
+        )
+    return blocks
+
+
+def _per_block(damping: float | Mapping[str, float], names: list[str]) -> dict[str, float]:
+    if isinstance(damping, Mapping):
+        missing = [n for n in names if n not in damping]
+        if missing:
+            raise ValueError(f"damping has no value for {missing}.")
+        values = {n: float(damping[n]) for n in names}
+    else:
+        values = dict.fromkeys(names, float(damping))
+    negative = {n: v for n, v in values.items() if v < 0}
+    if negative:
+        raise ValueError(f"damping must be non-negative, got {negative}.")
+    return values
+
+
+class EKFAC(CurvatureOperator):
+    """Eigenvalue-corrected KFAC of a data set, block diagonal over the parameters.
+
+    Args:
+        model: The model (`extend`-ed here).
+        lossfunc: The loss (torch loss module, reduction "mean" or "sum"; `extend`-ed here).
+        data: Re-iterable `(X, y)` batches (swept twice, here).
+        fisher_type: The curvature whose KFAC eigenbasis and whose diagonal in that basis are
+            used, as for `KFAC`: "type-2" (the GGN; corrected eigenvalues from `SqrtGGNExact`,
+            one row per output entry of a sample), "mc" (sampled labels: factors from
+            backpack's `KFAC`, corrected eigenvalues from `SqrtGGNMC`, both with `mc_samples`
+            draws per sample) or "empirical" (the gradients of the samples' own losses, from
+            `BatchGrad`).
+        kfac_approx: "expand" or "reduce", the convention of the Kronecker factors.
+        mc_samples: Number of sampled labels per sample for "mc".
+        seed: Seed of the "mc" draws: `seed` for the factors, `seed + 1` for the corrected
+            eigenvalues (the global RNG is forked, not advanced).
+        progress: Show progress bars (tqdm).
+        normaliser: Custom `(output, y) -> ν_b`.
+        num_samples: Custom `X -> number of samples`.
+
+    Its scale is the data-set loss's, like `KFAC`'s: the corrected eigenvalues are
+    `R Σ_r (q_kᵀ u_r)²` with `R` the reduction factor (`1/ν` or 1). Cost: one sweep for the
+    Kronecker factors (as `KFAC`), their eigendecompositions, and one sweep for the corrected
+    eigenvalues (per batch: the rows and two small matrix products per block). Everything else
+    is closed-form in the eigenbases and the corrected eigenvalues.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lossfunc: Any,
+        data: Iterable,
+        fisher_type: str = "type-2",
+        kfac_approx: str = "expand",
+        mc_samples: int = 1,
+        seed: int = 0,
+        progress: bool = False,
+        normaliser: Normaliser | None = None,
+        num_samples: Callable[[Any], int] | None = None,
+    ) -> None:
+        needs_reiterable(data, "EKFAC")
+        kfac = KFAC(
+            model,
+            lossfunc,
+            data,
+            fisher_type=fisher_type,
+            kfac_approx=kfac_approx,
+            mc_samples=mc_samples,
+            seed=seed,
+            progress=progress,
+            normaliser=normaliser,
+            num_samples=num_samples,
+        )
+        super().__init__(model, trainable(model))
+        self.kfac = kfac
+        self.fisher_type = fisher_type
+        self.blocks = kfac_eigenblocks(kfac)
+        sums = [torch.zeros_like(b.values) for b in self.blocks]
+        devices = [self.device] if self.device.type == "cuda" else []
+        total, count = 0.0, 0
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed + 1)
+            for batch, rows, nu in row_batches(
+                model,
+                lossfunc,
+                data,
+                _ROWS[fisher_type],
+                mc_samples,
+                progress,
+                "EKFAC eigenvalues",
+                normaliser,
+                num_samples,
+            ):
+                total += nu
+                count += batch.num_samples
+                for s, b in zip(sums, self.blocks):
+                    s += b.squares(rows[b.name])
+        #: what the data-set loss divides its summed terms by (`ν` for "mean", 1 for "sum")
+        self.normaliser_total = total if reduction_of(lossfunc, normaliser) == "mean" else 1.0
+        #: the number of samples of the data set
+        self.num_samples_total = count
+        for s, b in zip(sums, self.blocks):
+            b.values = s / self.normaliser_total
+
+    @property
+    def corrected(self) -> dict[str, Tensor]:
+        """`{parameter name: corrected eigenvalues}`, `(size_G, size_A)` or `(size_B,)`."""
+        return {b.name: b.values for b in self.blocks}
+
+    def _matmat(self, V: Tensor) -> Tensor:
+        pieces = [b.apply(v, b.values) for b, v in zip(self.blocks, self.split(V))]
+        return torch.cat(pieces, dim=1).T
+
+    def to_dense(self) -> Tensor:
+        """The dense block-diagonal `[P, P]` matrix."""
+        return torch.block_diag(*[b.dense(b.values) for b in self.blocks])
+
+    def diagonal(self) -> Tensor:
+        """The diagonal, `(Q_G∘Q_G) Λ* (Q_A∘Q_A)ᵀ` per block."""
+        return torch.cat([b.diagonal(b.values) for b in self.blocks])
+
+    def trace(self) -> Tensor:
+        """The trace: the sum of the corrected eigenvalues (equal to the curvature's trace)."""
+        return sum(b.values.sum() for b in self.blocks)
+
+    def eigenvalues(self) -> Tensor:
+        """All P corrected eigenvalues, in ascending order."""
+        return torch.cat([b.values.flatten() for b in self.blocks]).sort().values
+
+    def inverse(self, damping: float | Mapping[str, float] = 0.0) -> EKFACInverse:
+        """`(E + λI)⁻¹`: `Q (Λ* + λ)⁻¹ Qᵀ` per block.
+
+        Args:
+            damping: λ, one for all blocks or `{parameter name: λ}` per block.
+
+        Raises:
+            ValueError: For a negative damping or a block without one.
+        """
+        return EKFACInverse(self, _per_block(damping, self.names))
+
+    def logdet(self, damping: float | Mapping[str, float] = 0.0) -> Tensor:
+        """`log det(E + λI) = Σ log(Λ* + λ)` (-inf if singular)."""
+        per_block = _per_block(damping, self.names)
+        return sum((b.values + per_block[b.name]).log().sum() for b in self.blocks)
+
+
+class EKFACInverse(CurvatureOperator):
+    """`(E + λI)⁻¹` of an `EKFAC` operator `E`, applied in its eigenbases."""
+
+    def __init__(self, ekfac: EKFAC, damping: dict[str, float]) -> None:
+        self.model = ekfac.model
+        self.names, self.shapes, self.numels = ekfac.names, ekfac.shapes, ekfac.numels
+        self.dtype, self.device = ekfac.dtype, ekfac.device
+        self.ekfac = ekfac
+        self.damping = damping
+
+    def _matmat(self, V: Tensor) -> Tensor:
+        pieces = [
+            b.apply(v, 1 / (b.values + self.damping[b.name]))
+            for b, v in zip(self.ekfac.blocks, self.split(V))
+        ]
+        return torch.cat(pieces, dim=1).T
+
+    def logdet(self) -> Tensor:
+        """`log det((E + λI)⁻¹) = −log det(E + λI)`."""
+        return -self.ekfac.logdet(self.damping)

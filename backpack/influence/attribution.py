@@ -1,0 +1,333 @@
+"""Influence functions: `fit` a curvature approximation once, then score query/training pairs.
+
+The score of a query example q and a training example t is
+
+    s(q, t) = ∇ℓ_qᵀ (F + λI)⁻¹ ∇ℓ_t,
+
+with `ℓ_n` example n's own loss (no reduction factor; for sequences, the sum over its tokens),
+gradients at the model's current parameters, and `F` the Fisher of the training set, the mean
+over its N examples:
+
+- `fisher="true"`: `F = (1/N) Σ_n E_ŷ[∇ℓ_n(ŷ) ∇ℓ_n(ŷ)ᵀ]` with labels ŷ sampled from the model
+  (Monte Carlo, `mc_samples` per example);
+- `fisher="type-2"`: the same expectation in closed form (the GGN of the mean loss);
+- `fisher="empirical"`: `F = (1/N) Σ_n ∇ℓ_n ∇ℓ_nᵀ` with the data's labels.
+
+The strategy approximates `F` (block diagonal over the parameters except "identity").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from backpack.curvature._data import Normaliser, reduction_of, trainable
+from backpack.curvature._rows import row_batches
+from backpack.curvature.ekfac import EKFAC, EigenBlock, kfac_eigenblocks
+from backpack.curvature.kfac import KFAC
+
+__all__ = ["Influence", "fit", "load", "STRATEGIES"]
+
+STRATEGIES = ("identity", "diagonal", "kfac", "ekfac")
+#: the operators' `fisher_type` of each `fisher`
+_FISHERS = {"true": "mc", "type-2": "type-2", "empirical": "empirical"}
+#: the heuristic damping: this times the mean eigenvalue of each block
+HEURISTIC_DAMPING = 0.1
+_FORMAT = 1
+
+
+def _diagonal_blocks(
+    model, lossfunc, data, fisher, mc_samples, seed, progress, normaliser, num_samples
+) -> tuple[list[EigenBlock], int]:
+    """`diag F` (the mean over the examples) per parameter, from one sweep of rows."""
+    params = trainable(model)
+    sums = {name: torch.zeros_like(p, memory_format=torch.contiguous_format) for name, p in params}
+    count = 0
+    devices = [p.device for _, p in params[:1] if p.device.type == "cuda"]
+    kind = {"true": "mc", "type-2": "type-2", "empirical": "grad"}[fisher]
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        for batch, rows, _ in row_batches(
+            model, lossfunc, data, kind, mc_samples, progress, "diagonal", normaliser, num_samples
+        ):
+            count += batch.num_samples
+            for name, value in rows.items():
+                sums[name] += value.square().sum(0).detach()
+    blocks = [
+        EigenBlock(name, tuple(p.shape), [], (sums[name] / count).flatten().detach(), False)
+        for name, p in params
+    ]
+    return blocks, count
+
+
+class Influence:
+    """A fitted training-data attribution: scores query examples against training examples.
+
+    Build it with `fit` (or `load`). `blocks` hold `F`'s approximation at the scale of the
+    mean over the training examples, `damping` the λ of each block.
+
+    Args:
+        model: The model whose gradients are scored (`extend`-ed when scoring).
+        lossfunc: The loss (torch loss module, reduction "mean" or "sum").
+        strategy: "identity", "diagonal", "kfac" or "ekfac".
+        blocks: One `EigenBlock` per trainable parameter (None for "identity").
+        damping: `{parameter name: λ}` (None for "identity").
+        info: Plain facts about the fit (fisher, number of samples, ...).
+        normaliser: Custom `(output, y) -> ν_b`.
+        num_samples: Custom `X -> number of samples`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lossfunc: Any,
+        strategy: str,
+        blocks: list[EigenBlock] | None = None,
+        damping: Mapping[str, float] | None = None,
+        info: Mapping[str, Any] | None = None,
+        normaliser: Normaliser | None = None,
+        num_samples: Callable[[Any], int] | None = None,
+    ) -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
+        params = trainable(model)
+        if strategy != "identity":
+            if blocks is None or damping is None:
+                raise ValueError(f"strategy {strategy!r} needs blocks and damping.")
+            names = [name for name, _ in params]
+            if [b.name for b in blocks] != names:
+                raise ValueError(
+                    "The model's trainable parameters are not those of the fit: "
+                    f"{names} vs. {[b.name for b in blocks]}."
+                )
+            for b, (name, p) in zip(blocks, params):
+                if tuple(b.shape) != tuple(p.shape):
+                    raise ValueError(
+                        f"{name} has shape {tuple(p.shape)}, the fit's has {tuple(b.shape)}."
+                    )
+        self.model = model
+        self.lossfunc = lossfunc
+        self.strategy = strategy
+        self.blocks = blocks
+        self.damping = dict(damping) if damping is not None else None
+        self.info = dict(info or {})
+        self.normaliser = normaliser
+        self.num_samples = num_samples
+        reduction_of(lossfunc, normaliser)  # fail early on an unusable loss
+
+    # --- per-example gradients and the preconditioner ---------------------------------------
+    def gradients(self, data: Iterable, progress: bool = False) -> Iterator[dict[str, Tensor]]:
+        """Yield `{parameter name: [n_b, *shape]}`: each batch's gradients of its own losses."""
+        for _, rows, _ in row_batches(
+            self.model,
+            self.lossfunc,
+            data,
+            "grad",
+            progress=progress,
+            desc="gradients",
+            normaliser=self.normaliser,
+            num_samples=self.num_samples,
+        ):
+            yield {name: value.detach() for name, value in rows.items()}
+
+    def _scale(self, block: EigenBlock) -> Tensor:
+        """`1 / (values + λ)`, and 0 where both vanish (a pseudo-inverse there)."""
+        denominator = block.values + self.damping[block.name]
+        positive = denominator > 0
+        return torch.where(positive, 1 / torch.where(positive, denominator, 1), 0)
+
+    def precondition(self, rows: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """`(F + λI)⁻¹ g` for gradients `{name: [K, *shape]}`; `{name: [K, numel]}` out."""
+        if self.strategy == "identity":
+            return {name: value.flatten(1) for name, value in rows.items()}
+        return {b.name: b.apply(rows[b.name], self._scale(b)) for b in self.blocks}
+
+    def _query(self, query_data: Iterable, progress: bool) -> tuple[dict[str, Tensor], int]:
+        pieces: dict[str, list[Tensor]] = {}
+        for rows in self.gradients(query_data, progress):
+            for name, value in self.precondition(rows).items():
+                pieces.setdefault(name, []).append(value)
+        merged = {name: torch.cat(values) for name, values in pieces.items()}
+        return merged, next(iter(merged.values())).shape[0]
+
+    # --- scores ------------------------------------------------------------------------------
+    def scores(self, query_data: Iterable, train_data: Iterable, progress: bool = False) -> Tensor:
+        """`[n_query, n_train]` influence scores `∇ℓ_qᵀ (F + λI)⁻¹ ∇ℓ_t`.
+
+        The preconditioned query gradients are kept (`[n_query, P]`); the training data are
+        swept once, batch by batch (at most one batch's gradients at a time).
+        """
+        query, n_query = self._query(query_data, progress)
+        columns = []
+        for rows in self.gradients(train_data, progress):
+            batch = sum(query[name] @ value.flatten(1).T for name, value in rows.items())
+            columns.append(batch)
+        if not columns:
+            return torch.zeros(n_query, 0)
+        return torch.cat(columns, dim=1)
+
+    def self_scores(self, train_data: Iterable, progress: bool = False) -> Tensor:
+        """`[n_train]` self-influence `∇ℓ_tᵀ (F + λI)⁻¹ ∇ℓ_t`, batch by batch."""
+        out = []
+        for rows in self.gradients(train_data, progress):
+            if self.strategy == "identity":
+                out.append(sum(v.flatten(1).square().sum(1) for v in rows.values()))
+            else:
+                out.append(sum(b.quadratic(rows[b.name], self._scale(b)) for b in self.blocks))
+        return torch.cat(out)
+
+    # --- persistence -------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """The fit as plain tensors, numbers and strings (what `save` writes)."""
+        return {
+            "format": _FORMAT,
+            "strategy": self.strategy,
+            "blocks": [b.state() for b in self.blocks] if self.blocks is not None else None,
+            "damping": self.damping,
+            "info": self.info,
+        }
+
+    def save(self, path: Any) -> None:
+        """`torch.save` the fit (plain tensors: `load` reads it with `weights_only=True`)."""
+        torch.save(self.state(), path)
+
+    @classmethod
+    def load(
+        cls,
+        path: Any,
+        model: nn.Module,
+        lossfunc: Any,
+        normaliser: Normaliser | None = None,
+        num_samples: Callable[[Any], int] | None = None,
+    ) -> Influence:
+        """A fit saved with `save`, for `model` (same trainable parameters) and `lossfunc`.
+
+        Raises:
+            ValueError: For another format, or parameters that differ from the fit's.
+        """
+        device = next(p.device for _, p in trainable(model))
+        state = torch.load(path, map_location=device, weights_only=True)
+        if not isinstance(state, dict) or state.get("format") != _FORMAT:
+            raise ValueError(f"{path} does not hold an influence fit (format {_FORMAT}).")
+        blocks = state["blocks"]
+        return cls(
+            model,
+            lossfunc,
+            state["strategy"],
+            [EigenBlock.from_state(b) for b in blocks] if blocks is not None else None,
+            state["damping"],
+            state["info"],
+            normaliser,
+            num_samples,
+        )
+
+    def __repr__(self) -> str:
+        return f"Influence(strategy={self.strategy!r}, info={self.info})"
+
+
+def _damping(blocks: list[EigenBlock], damping: float | None) -> dict[str, float]:
+    if damping is None:
+        return {b.name: HEURISTIC_DAMPING * float(b.values.mean()) for b in blocks}
+    return {b.name: float(damping) for b in blocks}
+
+
+def fit(
+    model: nn.Module,
+    lossfunc: Any,
+    train_data: Iterable,
+    strategy: str = "ekfac",
+    damping: float | None = None,
+    fisher: str = "true",
+    mc_samples: int = 1,
+    seed: int = 0,
+    kfac_approx: str = "expand",
+    progress: bool = False,
+    normaliser: Normaliser | None = None,
+    num_samples: Callable[[Any], int] | None = None,
+) -> Influence:
+    """Fit the curvature approximation of `strategy` to the training data (once).
+
+    Args:
+        model: The trained model (`extend`-ed here); put it in `eval()` mode if it has dropout
+            or batch normalisation.
+        lossfunc: The training loss (torch loss module, reduction "mean" or "sum").
+        train_data: Re-iterable `(X, y)` batches of the training set.
+        strategy: How `F` is approximated: "identity" (`F + λI` replaced by `I`: plain
+            gradient dot products, no fit), "diagonal" (`diag F`), "kfac" (`G ⊗ A` per
+            parameter) or "ekfac" (KFAC's eigenbasis with `F`'s own eigenvalues in it).
+        damping: λ for every block; None: per block, `0.1 ×` the mean of its eigenvalues (for
+            "diagonal": of its diagonal entries). Directions where both the approximation and
+            λ vanish are left out (a pseudo-inverse).
+        fisher: "true" (labels sampled from the model), "type-2" (its exact expectation, the
+            GGN) or "empirical" (the data's labels).
+        mc_samples: Sampled labels per example for "true".
+        seed: Seed of the sampled labels (the global RNG is forked, not advanced).
+        kfac_approx: "expand" or "reduce", the Kronecker factors' convention for weights shared
+            over positions.
+        progress: Show progress bars (tqdm).
+        normaliser: Custom `(output, y) -> ν_b`.
+        num_samples: Custom `X -> number of samples`.
+
+    Returns:
+        An `Influence` with `scores`, `self_scores`, `save`.
+
+    Cost: "identity" none; "diagonal" one sweep (one backward per batch); "kfac" one sweep and
+    the factors' eigendecompositions; "ekfac" those and one more sweep for the corrected
+    eigenvalues.
+
+    Raises:
+        ValueError: For an unknown strategy or fisher, or a negative damping.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
+    if fisher not in _FISHERS:
+        raise ValueError(f"fisher must be one of {tuple(_FISHERS)}, got {fisher!r}.")
+    if damping is not None and damping < 0:
+        raise ValueError(f"damping must be non-negative, got {damping}.")
+    info: dict[str, Any] = {"fisher": fisher, "kfac_approx": kfac_approx}
+    if strategy == "identity":
+        return Influence(
+            model, lossfunc, strategy, info=info, normaliser=normaliser, num_samples=num_samples
+        )
+    common = dict(progress=progress, normaliser=normaliser, num_samples=num_samples)
+    if strategy == "diagonal":
+        blocks, count = _diagonal_blocks(
+            model, lossfunc, train_data, fisher, mc_samples, seed, **common
+        )
+    else:
+        operator_args = dict(
+            fisher_type=_FISHERS[fisher],
+            kfac_approx=kfac_approx,
+            mc_samples=mc_samples,
+            seed=seed,
+            **common,
+        )
+        if strategy == "kfac":
+            op = KFAC(model, lossfunc, train_data, **operator_args)
+            blocks = kfac_eigenblocks(op)
+        else:
+            op = EKFAC(model, lossfunc, train_data, **operator_args)
+            blocks = op.blocks
+        count = op.num_samples_total
+        # the operators' scale is the data-set loss's (R Σ_n); F is the mean over examples
+        factor = op.normaliser_total / count
+        blocks = [
+            EigenBlock(b.name, b.shape, b.vectors, b.values * factor, b.transposed) for b in blocks
+        ]
+    info["num_samples"] = count
+    damping_of = _damping(blocks, damping)
+    return Influence(model, lossfunc, strategy, blocks, damping_of, info, normaliser, num_samples)
+
+
+def load(
+    path: Any,
+    model: nn.Module,
+    lossfunc: Any,
+    normaliser: Normaliser | None = None,
+    num_samples: Callable[[Any], int] | None = None,
+) -> Influence:
+    """`Influence.load`: a fit saved with `Influence.save`, for `model` and `lossfunc`."""
+    return Influence.load(path, model, lossfunc, normaliser, num_samples)

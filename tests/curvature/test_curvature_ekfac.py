@@ -1,0 +1,143 @@
+"""The EKFAC operator: KFAC's eigenbasis, eigenvalues refitted to the curvature, closed forms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from curvature_problems import PROBLEMS, Problem, Reference
+from test_curvature_kfac import SIZES, Mixed, block_diagonal
+from torch import nn
+
+from backpack.curvature import EKFAC, KFAC
+
+#: parameters whose Kronecker factors belong to their transpose
+TRANSPOSED = {"emb.weight", "up.weight"}
+
+
+def close(a, b, atol=1e-11):
+    assert a.shape == b.shape, (a.shape, b.shape)
+    torch.testing.assert_close(a, b, atol=atol, rtol=1e-9)
+
+
+def basis(factors, shape, transposed):
+    """KFAC's eigenbasis of one block, dense, rows in the parameter's flattening."""
+    vectors = [torch.linalg.eigh((f + f.T) / 2)[1] for f in factors]
+    q = torch.kron(vectors[0], vectors[1]) if len(vectors) == 2 else vectors[0]
+    if transposed:
+        idx = torch.arange(q.shape[0]).reshape(shape).transpose(0, 1).flatten()
+        placed = torch.empty_like(q)
+        placed[idx] = q
+        q = placed
+    return q
+
+
+def brute_force(kfac, ref, curvature):
+    """Per block `Q diag(qᵀ C q) Qᵀ` of the explicit curvature `C`."""
+    out = torch.zeros_like(curvature)
+    start = 0
+    for name, shape, numel in zip(ref.names, ref.shapes, ref.numels):
+        q = basis(kfac.factors[name], shape, name in TRANSPOSED)
+        block = curvature[start : start + numel, start : start + numel]
+        out[start : start + numel, start : start + numel] = (q * (q.T @ block @ q).diagonal()) @ q.T
+        start += numel
+    return out
+
+
+def explicit(ref, fisher):
+    return ref.ggn() if fisher == "type-2" else ref.empirical_fisher()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("fisher", ["type-2", "empirical"])
+@pytest.mark.parametrize("name", ["mlp_ce", "mlp_mse", "cnn_ce", "token_ce"])
+def test_ekfac_matches_brute_force(name, fisher, reduction):
+    problem = PROBLEMS[name]
+    model = problem.model()
+    lossfunc = problem.make_loss(reduction)
+    op = EKFAC(model, lossfunc, problem.batches(SIZES), fisher_type=fisher)
+    kfac = KFAC(model, lossfunc, problem.batches(SIZES), fisher_type=fisher)
+    ref = Reference(problem, model, reduction)
+    curvature = explicit(ref, fisher)
+    dense = brute_force(kfac, ref, curvature)
+    close(op.to_dense(), dense)
+    P = op.shape[0]
+    V = torch.randn(P, 3, dtype=torch.float64)
+    close(op @ V, dense @ V)
+    close(op @ V[:, 0], dense @ V[:, 0])
+    close(op.diagonal(), dense.diagonal())
+    # the corrected eigenvalues keep the trace of every block of the curvature
+    close(op.trace(), curvature.trace())
+    close(op.eigenvalues(), torch.linalg.eigvalsh(dense), atol=1e-10)
+    damping = 0.1
+    damped = dense + damping * torch.eye(P, dtype=torch.float64)
+    inverse = op.inverse(damping)
+    close(inverse.to_dense(), torch.linalg.inv(damped), atol=1e-9)
+    close(inverse @ V, torch.linalg.solve(damped, V), atol=1e-9)
+    close(op.logdet(damping), torch.logdet(damped), atol=1e-9)
+    close(inverse.logdet(), -torch.logdet(damped), atol=1e-9)
+    # one damping per block
+    per_block = {n: 0.01 * (i + 1) for i, n in enumerate(op.names)}
+    lam = torch.cat(
+        [torch.full((k,), per_block[n], dtype=torch.float64) for n, k in zip(op.names, op.numels)]
+    )
+    damped = dense + torch.diag(lam)
+    close(op.inverse(per_block) @ V, torch.linalg.solve(damped, V), atol=1e-9)
+    close(op.logdet(per_block), torch.logdet(damped), atol=1e-9)
+
+
+def test_mixed_layouts_and_scipy():
+    """Transposed factors (embedding, transposed convolution) and `to_scipy`."""
+    pytest.importorskip("scipy")
+    torch.manual_seed(0)
+    model = Mixed().double()
+    X = torch.randint(0, 3, (7, 1))
+    y = torch.randint(0, 3, (7,))
+    data = [(X[:4], y[:4]), (X[4:], y[4:])]
+    lossfunc = nn.CrossEntropyLoss()
+    op = EKFAC(model, lossfunc, data)
+    kfac = KFAC(model, lossfunc, data)
+    problem = Problem("mixed", Mixed, lambda r: nn.CrossEntropyLoss(reduction=r), X, y)
+    ref = Reference(problem, model, "mean")
+    dense = brute_force(kfac, ref, ref.ggn())
+    close(op.to_dense(), dense)
+    v = torch.randn(op.shape[0], dtype=torch.float64)
+    close(torch.as_tensor(op.to_scipy() @ v.numpy()), dense @ v)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_one_sample_ekfac_is_kfac(reduction):
+    """Where KFAC's block is the curvature's block, the correction changes nothing."""
+    torch.manual_seed(0)
+    model = Mixed().double()
+    lossfunc = nn.CrossEntropyLoss(reduction=reduction)
+    data = [(torch.tensor([[2]]), torch.tensor([1]))]
+    close(EKFAC(model, lossfunc, data).to_dense(), KFAC(model, lossfunc, data).to_dense())
+    problem = Problem("one", Mixed, lambda r: nn.CrossEntropyLoss(reduction=r), *data[0])
+    ref = Reference(problem, model, reduction)
+    close(EKFAC(model, lossfunc, data).to_dense(), block_diagonal(ref.ggn(), ref.numels))
+
+
+def test_mc_is_seeded_and_unbiased():
+    problem = PROBLEMS["mlp_ce"]
+    model = problem.model()
+    lossfunc = problem.make_loss("mean")
+    data = problem.batches(SIZES)
+    state = torch.random.get_rng_state()
+    a = EKFAC(model, lossfunc, data, fisher_type="mc", seed=2).to_dense()
+    assert torch.equal(state, torch.random.get_rng_state())
+    assert torch.equal(a, EKFAC(model, lossfunc, data, fisher_type="mc", seed=2).to_dense())
+    exact = EKFAC(model, lossfunc, data).to_dense()
+    many = EKFAC(model, lossfunc, data, fisher_type="mc", mc_samples=3000).to_dense()
+    assert (many - exact).abs().max() / exact.abs().max() < 0.05
+
+
+def test_ekfac_errors():
+    problem = PROBLEMS["mlp_ce"]
+    model = problem.model()
+    op = EKFAC(model, problem.make_loss("mean"), problem.batches(SIZES))
+    with pytest.raises(ValueError, match="non-negative"):
+        op.inverse(-1.0)
+    with pytest.raises(ValueError, match="no value"):
+        op.inverse({"0.weight": 0.1})
+    with pytest.raises(ValueError, match="fisher_type"):
+        EKFAC(model, problem.make_loss("mean"), problem.batches(SIZES), fisher_type="true")

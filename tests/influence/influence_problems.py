@@ -1,0 +1,250 @@
+"""Tiny float64 problems and brute-force references for training-data attribution.
+
+Per-sample gradients come from `torch.func` (one `grad` per example, no backpack); Fishers are
+explicit `[P, P]` matrices built from them (empirical) or from Jacobians and loss Hessians
+(type-2, the GGN); every approximation is a dense matrix, inverted with `torch.linalg`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad, hessian, jacrev
+
+
+class TinyTransformer(nn.Module):
+    """Embedding + positions → one-head self-attention (residual) → LayerNorm → Linear head.
+
+    Logits of every token, flattened to `[N·T, C]` (a token loss).
+    """
+
+    def __init__(self, vocab=5, dim=4, length=3, classes=3):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(length, dim)
+        self.attn = nn.MultiheadAttention(dim, 1, batch_first=True)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x):
+        positions = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
+        h = self.emb(x) + self.pos(positions)
+        a, _ = self.attn(h, h, h, need_weights=False)
+        return self.head(self.norm(h + a)).flatten(0, 1)
+
+
+class TokenModel(nn.Module):
+    """Embedding → Tanh → Linear on `[N, T]` tokens, logits flattened to `[N·T, C]`."""
+
+    def __init__(self, vocab=6, dim=3, classes=4):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.act = nn.Tanh()
+        self.lin = nn.Linear(dim, classes)
+
+    def forward(self, x):
+        return self.lin(self.act(self.emb(x))).flatten(0, 1)
+
+
+@dataclass
+class Problem:
+    name: str
+    make_model: Callable[[], nn.Module]
+    make_loss: Callable[[str], nn.Module]
+    X: Tensor
+    Y: Tensor
+    Xq: Tensor
+    Yq: Tensor
+    flatten_targets: bool = False
+    #: parameters whose Kronecker factors belong to their transpose (embeddings)
+    transposed: set = field(default_factory=set)
+
+    def model(self) -> nn.Module:
+        torch.manual_seed(1)
+        return self.make_model().double()
+
+    def targets(self, Y: Tensor) -> Tensor:
+        return Y.flatten() if self.flatten_targets else Y
+
+    def batches(self, X, Y, size) -> list[tuple[Tensor, Tensor]]:
+        return [
+            (X[i : i + size], self.targets(Y[i : i + size])) for i in range(0, X.shape[0], size)
+        ]
+
+    def train(self, size=4):
+        return self.batches(self.X, self.Y, size)
+
+    def query(self, size=2):
+        return self.batches(self.Xq, self.Yq, size)
+
+    def normaliser(self, reduction: str) -> float:
+        """ν of the training set."""
+        if reduction == "sum":
+            return 1.0
+        return float((self.Y != -100).sum())
+
+
+def make_problems() -> dict[str, Problem]:
+    g = torch.Generator().manual_seed(0)
+    n, q = 11, 3
+
+    def x(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    def tokens(n, vocab, length=3, classes=None):
+        return torch.randint(0, classes or vocab, (n, length), generator=g)
+
+    ty = tokens(n, 4)
+    ty[0, 1] = ty[3, 0] = ty[3, 2] = -100
+    tty = tokens(n, 3)
+    tty[2, 2] = -100
+    return {
+        "mlp": Problem(
+            "mlp",
+            lambda: nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)),
+            lambda r: nn.CrossEntropyLoss(reduction=r),
+            x(n, 4),
+            torch.randint(0, 3, (n,), generator=g),
+            x(q, 4),
+            torch.randint(0, 3, (q,), generator=g),
+        ),
+        "cnn": Problem(
+            "cnn",
+            lambda: nn.Sequential(
+                nn.Conv2d(1, 2, 3), nn.Tanh(), nn.Flatten(), nn.Linear(2 * 3 * 3, 3)
+            ),
+            lambda r: nn.CrossEntropyLoss(reduction=r),
+            x(n, 1, 5, 5),
+            torch.randint(0, 3, (n,), generator=g),
+            x(q, 1, 5, 5),
+            torch.randint(0, 3, (q,), generator=g),
+        ),
+        "tokens": Problem(
+            "tokens",
+            TokenModel,
+            lambda r: nn.CrossEntropyLoss(reduction=r, ignore_index=-100),
+            tokens(n, 6),
+            ty,
+            tokens(q, 6),
+            tokens(q, 4),
+            flatten_targets=True,
+            transposed={"emb.weight"},
+        ),
+        "transformer": Problem(
+            "transformer",
+            TinyTransformer,
+            lambda r: nn.CrossEntropyLoss(reduction=r, ignore_index=-100),
+            tokens(n, 5),
+            tty,
+            tokens(q, 5),
+            tokens(q, 3),
+            flatten_targets=True,
+            transposed={"emb.weight", "pos.weight"},
+        ),
+    }
+
+
+PROBLEMS = make_problems()
+
+
+class Reference:
+    """Brute-force per-sample gradients and Fishers of `problem` at `model`'s parameters."""
+
+    def __init__(self, problem: Problem, model: nn.Module):
+        self.problem = problem
+        self.model = model
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.names = [n for n, _ in named]
+        self.shapes = [p.shape for _, p in named]
+        self.numels = [p.numel() for _, p in named]
+        self.theta = torch.cat([p.detach().flatten() for _, p in named])
+        self.sum_loss = problem.make_loss("sum")
+
+    def params(self, theta):
+        pieces = theta.split(self.numels)
+        return {n: t.reshape(s) for n, t, s in zip(self.names, pieces, self.shapes)}
+
+    def output(self, theta, X):
+        return functional_call(self.model, self.params(theta), (X,))
+
+    def own_loss(self, theta, X, Y):
+        """One example's own loss (sum over its tokens), X and Y with a batch axis of 1."""
+        return self.sum_loss(self.output(theta, X), self.problem.targets(Y))
+
+    def grads(self, X, Y) -> Tensor:
+        """`[n, P]`: every example's gradient of its own loss."""
+        g = grad(self.own_loss)
+        return torch.stack([g(self.theta, X[i : i + 1], Y[i : i + 1]) for i in range(len(X))])
+
+    def train_grads(self) -> Tensor:
+        return self.grads(self.problem.X, self.problem.Y)
+
+    def query_grads(self) -> Tensor:
+        return self.grads(self.problem.Xq, self.problem.Yq)
+
+    def empirical_fisher(self) -> Tensor:
+        """`(1/N) Σ_n ∇ℓ_n ∇ℓ_nᵀ`."""
+        G = self.train_grads()
+        return G.T @ G / G.shape[0]
+
+    def type2_fisher(self) -> Tensor:
+        """`(1/N) Σ_n J_nᵀ H_n J_n` (the expected Fisher of the examples' own losses)."""
+        X, Y = self.problem.X, self.problem.Y
+        out = torch.zeros(self.theta.numel(), self.theta.numel(), dtype=torch.float64)
+        for i in range(len(X)):
+            x, y = X[i : i + 1], self.problem.targets(Y[i : i + 1])
+            f = self.output(self.theta, x)
+            J = jacrev(lambda t, x=x: self.output(t, x))(self.theta).reshape(f.numel(), -1)
+            H = hessian(lambda o, y=y: self.sum_loss(o, y))(f).reshape(f.numel(), f.numel())
+            out += J.T @ H @ J
+        return out / len(X)
+
+    def blocks(self):
+        """`(start, stop)` of every parameter in the flattening."""
+        out, start = [], 0
+        for n in self.numels:
+            out.append((start, start + n))
+            start += n
+        return out
+
+
+def block_diagonal(matrix: Tensor, spans) -> Tensor:
+    out = torch.zeros_like(matrix)
+    for a, b in spans:
+        out[a:b, a:b] = matrix[a:b, a:b]
+    return out
+
+
+def kronecker_basis(factors, shape, transposed: bool) -> Tensor:
+    """The eigenbasis of a KFAC block as a dense matrix in the parameter's flattening."""
+    vectors = [torch.linalg.eigh((f + f.T) / 2)[1] for f in factors]
+    q = torch.kron(vectors[0], vectors[1]) if len(vectors) == 2 else vectors[0]
+    if not transposed:
+        return q
+    numel = q.shape[0]
+    idx = torch.arange(numel).reshape(shape).transpose(0, 1).flatten()
+    placed = torch.empty_like(q)
+    placed[idx] = q  # row idx[k] of the parameter is row k of the factors' flattening
+    return placed
+
+
+def ekfac_dense(factors_of: dict, ref: Reference, fisher: Tensor, transposed: set) -> Tensor:
+    """EK-FAC of `fisher`: per block `Q diag(diag(Qᵀ F Q)) Qᵀ`, Q from the KFAC factors."""
+    out = torch.zeros_like(fisher)
+    for name, shape, (a, b) in zip(ref.names, ref.shapes, ref.blocks()):
+        q = kronecker_basis(factors_of[name], shape, name in transposed)
+        block = fisher[a:b, a:b]
+        values = (q.T @ block @ q).diagonal()
+        out[a:b, a:b] = (q * values) @ q.T
+    return out
+
+
+def heuristic_damping(matrix: Tensor, spans) -> Tensor:
+    """`0.1 ×` the mean eigenvalue (trace / size) of each block, per entry: `[P]`."""
+    out = torch.empty(matrix.shape[0], dtype=matrix.dtype)
+    for a, b in spans:
+        out[a:b] = 0.1 * matrix[a:b, a:b].trace() / (b - a)
+    return out
