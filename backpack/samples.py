@@ -233,6 +233,26 @@ class _Addition:
         return torch.cat(parts).reshape(*grad.shape[:lead], n, *out_shape)
 
 
+class _Product(_Addition):
+    """A product that broadcasts a parameter over the samples (`x * gamma`).
+
+    The pre-hook multiplies the product's output gradient by the other factor, read from the
+    node's saved tensors while they exist; the per-sample share then sums like an addition's.
+    """
+
+    def __init__(self, node: Any, index: int) -> None:
+        super().__init__(node, 1.0)
+        #: the saved tensor of the other factor (the parameter is operand `index`)
+        self._other = "_saved_self" if index == 1 else "_saved_other"
+
+    def _capture(self, grads: tuple) -> None:
+        if grads[0] is None:
+            self.captured = None
+            return
+        other = getattr(self.node, self._other)
+        self.captured = grads[0] * other.to(grads[0].dtype)
+
+
 class BroadcastSite:
     """Where a call whose output holds no sample axis is broadcast over the samples.
 
@@ -439,6 +459,10 @@ def _param_site(param: Tensor, parents: dict[int, list[tuple[Any, int]]]) -> Par
                 continue
             if name == "ExpandBackward0" and _adds_sample_axis(shape, after):
                 parts.append((_Addition(consumer, 1.0), shape))
+                continue
+            if name == "MulBackward0" and _adds_sample_axis(shape, after):
+                # a scale (LayerScale's gamma): the share is the gradient times the other factor
+                parts.append((_Product(consumer, index), shape))
                 continue
             if name not in ("AddBackward0", "SubBackward0") or not _adds_sample_axis(shape, after):
                 return _close_all(parts)

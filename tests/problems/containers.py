@@ -2,9 +2,9 @@
 token and position embedding.
 
 The parameters meet the samples where they are broadcast (added to, or expanded over, the
-batch): backpack reads their per-sample gradients there (`samples.ParamSite`) instead of
-re-running the whole model per sample with torch.func. A scale used in a product takes the
-torch.func fallback (a different site kind) and keeps working.
+batch, or multiplied with per-sample features as a scale): backpack reads their per-sample
+gradients there (`samples.ParamSite`) instead of re-running the whole model per sample with
+torch.func. A parameter used as a matrix takes the torch.func fallback and keeps working.
 """
 
 import torch
@@ -35,8 +35,7 @@ class TokensWithClassToken(nn.Module):
 
 
 class ScaledResidual(nn.Module):
-    """A residual MLP whose branch is scaled by a parameter of the model itself (a product:
-    not a broadcast site, so the torch.func fallback computes it)."""
+    """A residual MLP whose branch is scaled by a parameter of the model itself (LayerScale)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -47,6 +46,19 @@ class ScaledResidual(nn.Module):
 
     def forward(self, x):
         return self.out(x + self.gamma * self.branch(x) + self.bias)
+
+
+class OwnMatrix(nn.Module):
+    """A parameter used as a matrix by the model itself (no broadcast: torch.func fallback)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+        self.mix = nn.Parameter(torch.randn(4, 4) / 2)
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.inp(x) @ self.mix))
 
 
 PROBLEMS = [
@@ -60,4 +72,5 @@ PROBLEMS = [
     ),
     Problem("container-scaled-residual-ce-sum", ScaledResidual, randn(5, 4),
             lambda: nn.CrossEntropyLoss(reduction="sum"), tags={"first", "second"}),
+    Problem("container-own-matrix-ce-mean", OwnMatrix, randn(5, 4), tags={"first", "second"}),
 ]
