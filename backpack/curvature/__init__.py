@@ -7,20 +7,27 @@
   (KFAC's eigenbasis with eigenvalues refitted to the curvature).
 - Estimators on any symmetric operator: `eigvalsh`, `hutchinson_trace`, `hutchinson_diagonal`,
   `hutchpp_trace`.
+- `xtrace`, `xdiag` (exchangeable trace and diagonal estimators), `spectral_density` and
+  `lanczos_quadrature` (stochastic Lanczos quadrature), `op.inverse(damping)` of the exact
+  operators (`CGInverse`, batched conjugate gradients).
 
 This is the data-set layer: it is built only on `extend` and `backpack(...)`.
 """
 
 from backpack.curvature.accumulate import Accumulated, accumulate
+from backpack.curvature.cg import CGInfo, conjugate_gradients
 from backpack.curvature.ekfac import EKFAC, EKFACInverse
 from backpack.curvature.estimators import (
     eigvalsh,
     hutchinson_diagonal,
     hutchinson_trace,
     hutchpp_trace,
+    xdiag,
+    xtrace,
 )
 from backpack.curvature.kfac import KFAC, KFACInverse
-from backpack.curvature.operators import GGN, CurvatureOperator, EmpiricalFisher, Hessian
+from backpack.curvature.operators import GGN, CGInverse, CurvatureOperator, EmpiricalFisher, Hessian
+from backpack.curvature.spectral import lanczos_quadrature, spectral_density
 
 __all__ = [
     "accumulate",
@@ -37,4 +44,11 @@ __all__ = [
     "hutchinson_trace",
     "hutchinson_diagonal",
     "hutchpp_trace",
+    "xtrace",
+    "xdiag",
+    "CGInverse",
+    "CGInfo",
+    "conjugate_gradients",
+    "lanczos_quadrature",
+    "spectral_density",
 ]

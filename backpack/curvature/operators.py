@@ -29,9 +29,10 @@ from backpack.curvature._data import (
     trainable,
 )
 from backpack.curvature.accumulate import accumulate
+from backpack.curvature.cg import CGInfo, NotPositiveDefiniteError, conjugate_gradients
 from backpack.extensions import BatchGrad, DiagGGNExact, DiagHessian, SqrtGGNMC, SumGradSquared
 
-__all__ = ["CurvatureOperator", "GGN", "Hessian", "EmpiricalFisher"]
+__all__ = ["CurvatureOperator", "CGInverse", "GGN", "Hessian", "EmpiricalFisher"]
 
 
 class CurvatureOperator:
@@ -130,6 +131,89 @@ class CurvatureOperator:
         return f"{type(self).__name__}(shape={self.shape}, dtype={self.dtype})"
 
 
+class CGInverse(CurvatureOperator):
+    """`(A + λI)⁻¹` of a symmetric operator `A`, each product solved by conjugate gradients.
+
+    Built by `inverse(damping)` of `GGN`, `Hessian` and `EmpiricalFisher`. `inv @ v` for `v` of
+    shape `[P]` or `[P, K]` returns `x` with `‖v_k − (A + λI) x_k‖ ≤ tol · ‖v_k‖` for every column
+    k (batched CG, `backpack.curvature.cg.conjugate_gradients`), or warns when `max_iter`
+    iterations did not get there (the last iterate is returned). `inv.info` describes the last
+    solve (a `CGInfo`: iterations, residuals, converged).
+
+    CG needs a positive definite system. `GGN` (convex losses) and `EmpiricalFisher` are positive
+    semi-definite: any `λ > 0` makes them definite. The `Hessian` is indefinite in general:
+    `H + λI` is definite only for `λ > −λ_min(H)`. A search direction of non-positive curvature
+    proves the system indefinite and raises `ValueError`; negative directions the iteration
+    never meets go unnoticed (the result still solves the system if the residual reached `tol`).
+
+    Cost: per iteration one product with `A` of the columns still running (one sweep over the
+    data for all of them) and one of the preconditioner. The number of iterations grows like
+    `√κ`, `κ = (λ_max + λ)/(λ_min + λ)`: more damping, fewer sweeps. At most `max_iter` sweeps
+    per product with `inv`; `to_dense()` solves P systems.
+    """
+
+    def __init__(
+        self,
+        op: CurvatureOperator,
+        damping: float,
+        tol: float = 1e-6,
+        max_iter: int | None = None,
+        preconditioner: Any = None,
+    ) -> None:
+        for label, value, strict in (("damping", damping, False), ("tol", tol, True)):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or value < 0
+                or (strict and value == 0)
+            ):
+                relation = "positive" if strict else "non-negative"
+                raise ValueError(f"{label} must be a {relation} number, got {value!r}.")
+        if max_iter is not None and (
+            isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1
+        ):
+            raise ValueError(f"max_iter must be a positive integer, got {max_iter!r}.")
+        self.op = op
+        self.model = op.model
+        self.names, self.shapes, self.numels = op.names, op.shapes, op.numels
+        self.dtype, self.device = op.dtype, op.device
+        self.damping = float(damping)
+        self.tol = float(tol)
+        self.max_iter = max_iter if max_iter is not None else min(2 * op.shape[0], 1000)
+        self.preconditioner = preconditioner
+        self.info: CGInfo | None = None
+
+    def _matmat(self, V: Tensor) -> Tensor:
+        name = f"({type(self.op).__name__} + {self.damping:g}·I)"
+        precondition = None
+        if self.preconditioner is not None:
+            precondition = self.preconditioner.__matmul__
+        try:
+            X, self.info = conjugate_gradients(
+                lambda W: self.op @ W + self.damping * W,
+                V,
+                tol=self.tol,
+                max_iter=self.max_iter,
+                preconditioner=precondition,
+                name=name,
+            )
+        except NotPositiveDefiniteError as err:
+            if isinstance(self.op, Hessian) and "pᵀSp" in str(err):
+                raise NotPositiveDefiniteError(
+                    f"{err} The Hessian is indefinite in general: use a damping above "
+                    "−λ_min(H) (estimate λ_min with eigvalsh of the negated Hessian), or the GGN, "
+                    "which is positive semi-definite."
+                ) from None
+            raise
+        return X
+
+    def __repr__(self) -> str:
+        return (
+            f"CGInverse({type(self.op).__name__}, damping={self.damping:g}, tol={self.tol:g}, "
+            f"shape={self.shape})"
+        )
+
+
 class _DataOperator(CurvatureOperator):
     """An operator of a data-set loss: products sweep the data, summing batches' contributions.
 
@@ -157,6 +241,29 @@ class _DataOperator(CurvatureOperator):
         self.num_samples = num_samples
         self.reduction = reduction_of(lossfunc, normaliser)
         self._fingerprint = fingerprint(model)
+
+    def inverse(
+        self,
+        damping: float,
+        tol: float = 1e-6,
+        max_iter: int | None = None,
+        preconditioner: Any = None,
+    ) -> CGInverse:
+        """`(A + damping·I)⁻¹` by conjugate gradients (see `CGInverse` for costs and limits).
+
+        Args:
+            damping: `λ ≥ 0`; the damped matrix must be positive definite (for the Hessian:
+                `λ > −λ_min(H)`).
+            tol: Relative residual `‖v − (A + λI)x‖ / ‖v‖` at which a column stops.
+            max_iter: Most iterations (sweeps) per product (default `min(2P, 1000)`).
+            preconditioner: Optional symmetric positive definite `M ≈ (A + λI)⁻¹` with `M @ R`
+                for `[P, K]` matrices, e.g. `KFAC(...).inverse(λ)`.
+
+        Raises:
+            ValueError: For a negative damping, a non-positive tol or a bad max_iter; (on a
+                product) when the damped system turns out not to be positive definite.
+        """
+        return CGInverse(self, damping, tol=tol, max_iter=max_iter, preconditioner=preconditioner)
 
     def _check_model(self) -> None:
         if fingerprint(self.model) != self._fingerprint:
@@ -351,6 +458,8 @@ class Hessian(_DataOperator):
     `create_graph` and K reverse-over-reverse Hessian-vector products (vmapped).
     `diagonal()` is exact: one `accumulate(DiagHessian())` sweep where backpack supports the
     model's layers, otherwise `P` Hessian-vector products (with a warning).
+    `inverse(λ)` (conjugate gradients) needs `H + λI` positive definite, `λ > −λ_min(H)`: the
+    Hessian is indefinite in general, and a direction of negative curvature met by CG raises.
     """
 
     def _batch_product(self, batch, V):  # noqa: D102
