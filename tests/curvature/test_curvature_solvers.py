@@ -296,3 +296,24 @@ def test_spectral_density_of_a_data_set_operator_matches_the_dense_matrix():
     dense_grid, dense_density = spectral_density(dense, 2, 43, seed=3)
     torch.testing.assert_close(grid, dense_grid, atol=1e-9, rtol=1e-7)
     torch.testing.assert_close(density, dense_density, atol=1e-6, rtol=1e-6)
+
+
+# --- sweeps: progress bars and errors through the new entry points -------------------------
+
+
+def test_progress_and_data_errors_reach_the_solvers():
+    pytest.importorskip("tqdm")
+    problem = PROBLEMS["mlp_ce"]
+    model = problem.model()
+    lossfunc = problem.make_loss("mean")
+    op = GGN(model, lossfunc, problem.batches(SIZES), progress=True)
+    dense = Reference(problem, model, "mean").ggn()
+    v = torch.randn(op.shape[0], dtype=torch.float64)
+    expected = torch.linalg.solve(dense + torch.eye(op.shape[0], dtype=torch.float64), v)
+    torch.testing.assert_close(op.inverse(1.0, tol=1e-12) @ v, expected, atol=1e-9, rtol=1e-9)
+    with pytest.raises(ValueError, match="no batch"):
+        xtrace(GGN(model, lossfunc, []), 4)
+    batches = problem.batches(SIZES)
+    batches[1] = (batches[1][0][:, :3], batches[1][1])
+    with pytest.raises(ValueError, match="Batch 1 has non-batch shapes"):
+        spectral_density(GGN(model, lossfunc, batches), 2, 3)
