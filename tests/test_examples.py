@@ -51,6 +51,23 @@ SMALL = {
         "--batch-size",
         "16",
     ],
+    "example_laplace_digits": [
+        "--train-size",
+        "32",
+        "--batch-size",
+        "16",
+        "--channels",
+        "2",
+        "--train-steps",
+        "2",
+        "--track-every",
+        "2",
+        "--probes",
+        "2",
+        "--lanczos-steps",
+        "8",
+        "--no-figure",
+    ],
     # relaunches itself with torchrun --nproc_per_node=2 (gloo on the CPU)
     "example_distributed": ["--steps", "2", "--batch-size", "4", "--hidden", "4"],
     "example_gpt_dp_clipping": [
@@ -150,3 +167,16 @@ def test_gpt_curvature_compares_three_methods(capsys):
     assert set(result["results"]) == {"sgd", "diag", "kfac"}
     out = capsys.readouterr().out
     assert "lowest loss:" in out and "KFAC step of a Embedding" in out
+
+
+def test_laplace_digits_writes_its_figure_or_explains(tmp_path, capsys):
+    figure = tmp_path / "laplace.png"
+    args = SMALL["example_laplace_digits"][:-1] + ["--figure", str(figure)]
+    result = load("example_laplace_digits").main(args)
+    out = capsys.readouterr().out
+    if importlib.util.find_spec("matplotlib") is None:
+        assert "matplotlib is not installed" in out
+    else:
+        assert figure.stat().st_size > 0 and f"figure saved to {figure}" in out
+    assert [step for step, _ in result["sharpness"]] == [0, 2]
+    assert set(result["laplace"]) == {"map", "diag", "kfac"}
