@@ -420,6 +420,8 @@ class GGN(_DataOperator):
                         continue
                     loss = self.lossfunc(output, batch.y)
                     saved = [p.grad for _, p in params]
+                    for _, p in params:  # backward would add into the saved tensors in place
+                        p.grad = None
                     with backpack(SqrtGGNMC(mc_samples=self.mc_samples), sync=False):
                         loss.backward()
                 factor = torch.cat([p.sqrt_ggn_mc.flatten(2) for _, p in params], dim=2)
@@ -522,6 +524,8 @@ class EmpiricalFisher(_DataOperator):
                 return None, nu
             loss = self.lossfunc(output, batch.y)
             saved = [p.grad for _, p in params]
+            for _, p in params:  # backward would add into the saved tensors in place
+                p.grad = None
             with backpack(BatchGrad(), sync=False):
                 loss.backward()
         rows = torch.cat([p.grad_batch.flatten(1) for _, p in params], dim=1)

@@ -124,3 +124,23 @@ def test_frozen_parameters_are_left_out():
     assert op.shape == (43 - 20, 43 - 20)
     close(op.to_dense(), expected)
     close(op.diagonal(), expected.diagonal())
+
+
+@pytest.mark.parametrize("kind", ["empirical", "mc", "exact", "hessian"])
+def test_products_leave_a_users_grad_untouched(kind):
+    """Products run backwards with extensions: a `.grad` the user holds keeps its values."""
+    problem = PROBLEMS["mlp_ce"]
+    model = problem.model()
+    lossfunc, data = problem.make_loss("mean"), problem.batches(SIZES)
+    grads = {n: torch.full_like(p, 0.25) for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        p.grad = grads[n].clone()
+    op = {
+        "empirical": lambda: EmpiricalFisher(model, lossfunc, data),
+        "mc": lambda: GGN(model, lossfunc, data, mc_samples=2),
+        "exact": lambda: GGN(model, lossfunc, data),
+        "hessian": lambda: Hessian(model, lossfunc, data),
+    }[kind]()
+    op @ torch.ones(op.shape[0], 2, dtype=torch.float64)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, grads[n]), n
