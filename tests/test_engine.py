@@ -1083,7 +1083,10 @@ class ScaleThenDropout(nn.Module):
 def test_a_module_whose_samples_are_not_independent_is_refused(extension, cls):
     """Subtracting the batch mean mixes samples, as BatchNorm in training mode does; vmap would
     run it on each sample alone (another function), or draw new dropout masks, without
-    complaint."""
+    complaint. (First-order quantities of `ScaleThenDropout` come from where its weight meets
+    the samples instead, with the forward's own masks: see the next test.)"""
+    if cls is ScaleThenDropout and extension is not DiagGGNExact:
+        pytest.skip("computed from the weight's site (next test)")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(D_IN, D_HID), cls(D_HID), nn.Linear(D_HID, D_OUT))
     extend(model.to(DTYPE))
@@ -1092,6 +1095,29 @@ def test_a_module_whose_samples_are_not_independent_is_refused(extension, cls):
     with pytest.raises(NotImplementedError, match=rf"'1' \({cls.__name__}\): its samples are not"):
         with backpack(extension()):
             loss.backward()
+
+
+@pytest.mark.parametrize("extension", [BatchL2Grad, Variance])
+def test_dropout_inside_a_module_without_rule_uses_the_forwards_masks(extension):
+    """The weight of `ScaleThenDropout` meets the samples in a product: its per-sample
+    gradients are read there, from the pass's own graph, so the dropout masks are the
+    forward's (no re-run per sample) and the numbers are exact."""
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D_IN, D_HID), ScaleThenDropout(D_HID), nn.Linear(D_HID, D_OUT))
+    model.to(DTYPE)
+    x, y = batch()
+    lossfunc = nn.CrossEntropyLoss()
+    torch.manual_seed(1)
+    reference = reference_per_sample_grads(model, x, lossfunc, y)
+    extend(model), extend(lossfunc)
+    torch.manual_seed(1)  # the same masks
+    with backpack(extension()):
+        lossfunc(model(x), y).backward()
+    quantity = extension().savefield
+    for name, p in model.named_parameters():
+        expected = first_order_reference(reference[name], quantity)
+        torch.testing.assert_close(getattr(p, quantity), expected, msg=name)
 
 
 def test_batch_grad_warns_on_a_module_whose_samples_are_not_independent():
