@@ -98,6 +98,8 @@ class Engine:
         #: id(record) -> (record, output gradients so far, [output nodes reported])
         self._partial: dict[int, tuple[Record, list, list[int]]] = {}
         self._dirty = False
+        #: calls of extended modules other than losses that the context's backward passes met
+        self.layers_met = 0
 
     @property
     def extensions(self) -> list[BackpropExtension]:
@@ -292,6 +294,8 @@ class Engine:
         module, state = record.module, self.state
         if state.sync is not None:  # distributed: the call's parameters, a loss's normaliser
             state.sync.on_call(state, record)
+        if not is_loss(module):
+            self.layers_met += 1
         if is_loss(module):
             if state.second_order:
                 self._start_curvature(record, grads)

@@ -319,6 +319,26 @@ def test_context_without_extended_modules_warns_once():
     assert not hasattr(model.weight, "grad_batch")
 
 
+@pytest.mark.parametrize("loss", ["module", "function", "extended module"])
+@pytest.mark.parametrize("extension", [BatchGrad, DiagGGNExact])
+def test_backward_through_an_unextended_model_warns(loss, extension):
+    """Forgetting `extend(model)`: the loss is recognised, but no layer takes part."""
+    from backpack import api
+
+    api._WARNED_NOTHING.clear()
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    lossfunc = {
+        "module": nn.CrossEntropyLoss(),
+        "function": nn.functional.cross_entropy,
+        "extended module": extend(nn.CrossEntropyLoss()),
+    }[loss]
+    out = model(torch.randn(5, 3))
+    with pytest.warns(UserWarning, match=r"no extended layer.*extend\(model\)"):
+        with backpack(extension()):
+            lossfunc(out, torch.randint(0, 2, (5,))).backward()
+    assert not hasattr(model[0].weight, extension().savefield)
+
+
 # --- calls that disagree on the samples ------------------------------------------------------
 class _Positions(nn.Module):
     """Token + position embedding (positions broadcast over the batch), optionally added twice."""
