@@ -15,7 +15,6 @@ from backpack.custom_module.graph_utils import convert_module_to_backpack
 from backpack.verification import VerifyReport, verify
 
 
-
 def _warn_if_original_installed() -> None:
     """Warn when the original BackPACK's distribution is installed in this environment too.
 

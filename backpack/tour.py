@@ -24,10 +24,10 @@ to `EXTENSIONS` with a `check` that turns the stored value into (result, expecte
 from __future__ import annotations
 
 import argparse
-import re
 import copy
 import math
 import os
+import re
 import statistics
 import sys
 import textwrap
