@@ -360,6 +360,7 @@ def test_forward_outside_backward_inside():
     assert_grads_exact(model, plain_grads(plain, x, y, nn.CrossEntropyLoss(reduction="sum")))
 
 
+@pytest.mark.filterwarnings("ignore:.*saw no extended module take part:UserWarning")
 def test_forward_in_one_context_backward_in_another():
     model, plain = extended_pair()
     x, y = batch()
@@ -1078,6 +1079,7 @@ class ScaleThenDropout(nn.Module):
         return self.drop(x * self.weight)
 
 
+@pytest.mark.filterwarnings("ignore:backpack has no dedicated rule for:UserWarning")
 @pytest.mark.parametrize("cls", [Centred, ScaleThenDropout])
 @pytest.mark.parametrize("extension", [BatchL2Grad, Variance, DiagGGNExact])
 def test_a_module_whose_samples_are_not_independent_is_refused(extension, cls):
@@ -1094,6 +1096,7 @@ def test_a_module_whose_samples_are_not_independent_is_refused(extension, cls):
             loss.backward()
 
 
+@pytest.mark.filterwarnings("ignore:Extension saving to grad_batch does not have:UserWarning")
 def test_batch_grad_warns_on_a_module_whose_samples_are_not_independent():
     model = nn.Sequential(nn.Linear(D_IN, D_HID), Centred(D_HID), nn.Linear(D_HID, D_OUT))
     extend(model.to(DTYPE))

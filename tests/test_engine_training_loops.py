@@ -235,6 +235,7 @@ def test_nan_in_one_sample_keeps_the_other_rows_exact_and_warns_nothing():
         close(p.batch_l2[keep], reference[name][keep].flatten(1).square().sum(1), name)
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True:UserWarning")
 def test_create_graph_keeps_per_sample_quantities_differentiable():
     model, lossfunc = extend(mlp()), extend(nn.CrossEntropyLoss())
     x = torch.randn(5, 4, dtype=DTYPE, requires_grad=True)
