@@ -1,6 +1,7 @@
 """Installation details: the original BackPACK next to this package, license and metadata."""
 
 import importlib.metadata
+import re
 import warnings
 from pathlib import Path
 
@@ -60,3 +61,29 @@ def test_license_file_and_project_metadata():
     assert any(c.startswith("Programming Language :: Python :: 3") for c in project["classifiers"])
     # the SPDX `license` field replaces license classifiers (setuptools refuses both)
     assert not any(c.startswith("License ::") for c in project["classifiers"])
+
+
+def test_readme_shows_the_command_line_and_links_existing_docs():
+    readme = (ROOT / "README.md").read_text()
+    assert "python -m backpack verify" in readme and "make docs" in readme
+    links = re.findall(r"\]\((docs/[^)#]+)(?:#[^)]*)?\)", readme)
+    assert len(links) >= 8
+    for link in links:
+        assert (ROOT / link).is_file(), link
+    # pages are named by links, not in quotes
+    for page in ("Good to know", "Real training loops", "Curvature of a data set"):
+        assert f'"{page}"' not in readme, page
+
+
+def test_docs_home_lists_the_guides():
+    index = (ROOT / "docs" / "index.md").read_text()
+    for page in (
+        "training-loops.md",
+        "distributed.md",
+        "transformers.md",
+        "hugging-face.md",
+        "curvature.md",
+        "which-extension.md",
+    ):
+        assert f"]({page})" in index, page
+    assert "which-extension.md" in (ROOT / "mkdocs.yml").read_text()
