@@ -267,6 +267,8 @@ class Engine:
 
     def _process(self, record: Record, grads: tuple[Tensor | None, ...]) -> None:
         module = record.module
+        if not is_loss(module):
+            self.layers_met += 1
         if record.disabled:
             raise RuntimeError(
                 f"The forward of {describe(module)} ran under backpack.disable(), so nothing "
@@ -294,8 +296,6 @@ class Engine:
         module, state = record.module, self.state
         if state.sync is not None:  # distributed: the call's parameters, a loss's normaliser
             state.sync.on_call(state, record)
-        if not is_loss(module):
-            self.layers_met += 1
         if is_loss(module):
             if state.second_order:
                 self._start_curvature(record, grads)
