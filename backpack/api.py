@@ -213,8 +213,7 @@ def _warn_nothing_extended(engine: Engine) -> None:
     warnings.warn(
         f"backpack({', '.join(map(repr, engine.extensions))}) saw no extended module take part "
         f"in a backward pass ({what}), so it computed nothing. Call backpack.extend(model) "
-        "before the forward pass (and extend(lossfunc) for second-order extensions), and run "
-        "loss.backward() inside the with-block.",
+        "before the forward pass and run loss.backward() inside the with-block.",
         UserWarning,
         stacklevel=3,
     )

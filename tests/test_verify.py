@@ -42,6 +42,7 @@ KFRA_SILENT = {
 }
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")  # torch's vmap
 @pytest.mark.parametrize("problem", ALL_PROBLEMS, ids=[p.id for p in ALL_PROBLEMS])
 def test_verify_passes_on_the_problem_table(problem):
     model, x, lossfunc, y = problem.build()
