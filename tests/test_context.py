@@ -63,6 +63,7 @@ def test_three_threads_thirty_passes_match_single_threaded_results():
     assert CTX.engines == []
 
 
+@pytest.mark.filterwarnings("ignore:.*saw no extended module take part:UserWarning")
 def test_contexts_are_per_thread():
     seen = {}
 
