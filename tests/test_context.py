@@ -4,6 +4,7 @@ import gc
 import threading
 import weakref
 
+import pytest
 import torch
 from thread_checks import assert_threads_reproduce
 from torch import nn
