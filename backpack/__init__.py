@@ -14,6 +14,34 @@ from backpack.api import backpack, disable, extend, memory_cleanup
 from backpack.custom_module.graph_utils import convert_module_to_backpack
 from backpack.verification import VerifyReport, verify
 
+
+def _warn_if_original_installed() -> None:
+    """Warn when the original BackPACK's distribution is installed in this environment too.
+
+    Both distributions install the import name `backpack`: whichever was installed last
+    overwrote the other's files, so an import may mix both packages.
+    """
+    import importlib.metadata
+    import warnings
+
+    try:
+        importlib.metadata.distribution("backpack-for-pytorch")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    warnings.warn(
+        "The original BackPACK (distribution 'backpack-for-pytorch') is installed next to this "
+        "package (backpack-torch); both provide the import name `backpack`, so one overwrote "
+        "the other's files. Use one per environment: `pip uninstall -y backpack-for-pytorch` "
+        "then reinstall this one (from its checkout: `pip install --force-reinstall --no-deps "
+        "-e .`). Libraries that depend on backpack-for-pytorch (laplace-torch, ...) can be "
+        "installed with `pip install --no-deps` so that it is not pulled in again.",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
+_warn_if_original_installed()
+
 __all__ = [
     "backpack",
     "extend",

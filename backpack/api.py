@@ -115,7 +115,7 @@ class backpack:  # noqa: N801 (public name of the original API)
             CTX.pop_engine(engine)
             if not engine.idle:
                 _ROOTS.exit()
-            if exc_type is None and engine.extensions and engine.passes == 0:
+            if exc_type is None and engine.extensions and engine.layers_met == 0:
                 _warn_nothing_extended(engine)
         self._engine = None
 
@@ -197,15 +197,23 @@ _WARNED_NOTHING: list[bool] = []
 
 
 def _warn_nothing_extended(engine: Engine) -> None:
-    """Warn once per process: a context with extensions met no extended module."""
+    """Warn once per process: a context with extensions met no extended layer.
+
+    Either no backward ran inside it, or the backward passes that ran went through no extended
+    module other than a loss (typically: `extend(model)` was forgotten).
+    """
     if _WARNED_NOTHING:
         return
     _WARNED_NOTHING.append(True)
+    what = (
+        "no backward pass ran inside it"
+        if engine.passes == 0
+        else "its backward passes went through no extended layer"
+    )
     warnings.warn(
         f"backpack({', '.join(map(repr, engine.extensions))}) saw no extended module take part "
-        "in a backward pass, so it computed nothing. Call backpack.extend(model) (and "
-        "extend(lossfunc) for second-order extensions) before the forward pass, and run "
-        "loss.backward() inside the with-block.",
+        f"in a backward pass ({what}), so it computed nothing. Call backpack.extend(model) "
+        "before the forward pass and run loss.backward() inside the with-block.",
         UserWarning,
         stacklevel=3,
     )

@@ -98,6 +98,8 @@ class Engine:
         #: id(record) -> (record, output gradients so far, [output nodes reported])
         self._partial: dict[int, tuple[Record, list, list[int]]] = {}
         self._dirty = False
+        #: calls of extended modules other than losses that the context's backward passes met
+        self.layers_met = 0
 
     @property
     def extensions(self) -> list[BackpropExtension]:
@@ -265,6 +267,8 @@ class Engine:
 
     def _process(self, record: Record, grads: tuple[Tensor | None, ...]) -> None:
         module = record.module
+        if not is_loss(module):
+            self.layers_met += 1
         if record.disabled:
             raise RuntimeError(
                 f"The forward of {describe(module)} ran under backpack.disable(), so nothing "

@@ -27,6 +27,7 @@ import argparse
 import copy
 import math
 import os
+import re
 import statistics
 import sys
 import textwrap
@@ -292,11 +293,18 @@ def _clear(model: nn.Module, savefields: Sequence[str]) -> None:
 
 
 def _first_sentence(message: str) -> str:
+    """The message's first sentence, followed by its advice (a later clause "use ...") if any."""
     text = " ".join(message.split())
+    first = text
     for stop in (". ", "; "):
-        if stop in text:
-            text = text.split(stop)[0]
-    return text.rstrip(".")
+        if stop in first:
+            first = first.split(stop)[0]
+    first = first.rstrip(".")
+    advice = re.search(r"(?:^|[.;] )([Uu]se [^.;]*)", text[len(first) :])
+    if advice is None:
+        return first
+    what = advice.group(1)
+    return f"{first}; {what[0].lower()}{what[1:]}"
 
 
 def _describe(value: Any, sym: dict[str, str]) -> str:
@@ -585,7 +593,7 @@ def format_report(report: ModelReport, sym: dict[str, str]) -> str:
         if row.status in ("n/a", "FAIL") and row.error is None:
             lead = line((row.extension, row.savefield)) + " " * (_WIDTHS[1] - len(row.savefield))
             text = f"{row.status}: {row.note}"
-            chunks = textwrap.wrap(text, _LINE - len(lead) - 1, max_lines=2, placeholder=" …")
+            chunks = textwrap.wrap(text, _LINE - len(lead) - 1)
             for j, chunk in enumerate(chunks):
                 out.append((lead if j == 0 else " " * len(lead)) + " " + chunk)
             continue
@@ -650,7 +658,13 @@ def build_parser() -> argparse.ArgumentParser:
                 79,
             )
         ),
-        epilog=textwrap.fill("extensions: " + ", ".join(e.name for e in EXTENSIONS), 79),
+        epilog=textwrap.fill("extensions: " + ", ".join(e.name for e in EXTENSIONS), 79)
+        + "\n\n"
+        + textwrap.fill(
+            "To check every quantity on your own model instead: python -m backpack verify "
+            "MODULE:FACTORY (python -m backpack verify --help; docs/verify.md).",
+            79,
+        ),
     )
     parser.add_argument(
         "--model",
@@ -869,7 +883,12 @@ def _tour(
         what = "checked quantity is" if len(checked) == 1 else "checked quantities are"
         say(f"FAIL: {len(failed)} of {len(checked)} {what} wrong; {tail}")
         return 1
-    if len(checked) == 1:
+    if not checked:
+        say(
+            "NOTHING CHECKED: no selected extension produced a quantity that could be compared "
+            f"with float64 autograd on the selected model(s) (see the rows above); {tail}"
+        )
+    elif len(checked) == 1:
         say(f"OK: the checked quantity matches float64 autograd; {tail}")
     else:
         say(f"OK: all {len(checked)} checked quantities match float64 autograd; {tail}")

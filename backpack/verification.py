@@ -16,19 +16,22 @@ From the command line, `python -m backpack verify my_module:make_problem` calls
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import importlib
 import importlib.util
+import re
 import sys
 import textwrap
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from backpack import extensions as _extensions
 from backpack.api import backpack, extend
@@ -61,6 +64,10 @@ class VerifyRow:
     excess: float | None = None
     deviation: float | None = None
     note: str = ""
+    #: checked for some parameters only (the others are named in `note`)
+    partial: bool = False
+    #: 1 for first-order extensions, 2 for second-order ones (0: unknown)
+    order: int = 0
 
     @property
     def ok(self) -> bool:
@@ -97,6 +104,16 @@ class VerifyReport:
         """The rows compared against an exact reference (passed or failed)."""
         return [r for r in self.rows if r.status in ("ok", "FAIL")]
 
+    @property
+    def unchecked(self) -> list[VerifyRow]:
+        """The rows that could not be checked at all, or only for some parameters."""
+        return [r for r in self.rows if r.status == "unchecked" or r.partial]
+
+    @property
+    def complete(self) -> bool:
+        """Whether every quantity computed was checked (or is a Monte-Carlo estimate)."""
+        return not self.unchecked
+
     def summary(self) -> str:
         """One line: how many checked quantities match."""
         checked = len(self.checked)
@@ -110,10 +127,28 @@ class VerifyReport:
             if n
         ]
         tail = f" ({', '.join(other)})" if other else ""
+        missing = ""
+        if self.unchecked:
+            names = ", ".join(
+                r.extension + (" (some parameters)" if r.status != "unchecked" else "")
+                for r in self.unchecked
+            )
+            missing = f"; NOT CHECKED: {names}, see their notes above"
         if self.failed:
-            return f"FAIL: {len(self.failed)} of {_count(checked, 'checked quantity')} wrong{tail}"
+            return (
+                f"FAIL: {len(self.failed)} of {_count(checked, 'checked quantity')} wrong"
+                f"{tail}{missing}"
+            )
+        if self.unchecked:
+            if checked == 0:
+                return f"INCOMPLETE: nothing could be checked{tail}{missing}"
+            match = "matches" if checked == 1 else "match"
+            return (
+                f"INCOMPLETE: {_count(checked, 'checked quantity')} {match} float64 autograd, "
+                f"but not everything could be checked{tail}{missing}"
+            )
         if checked == 0:
-            return f"OK: nothing to compare{tail}"
+            return f"NOTHING CHECKED: no quantity could be compared with a reference{tail}"
         if checked == 1:
             return f"OK: the checked quantity matches float64 autograd{tail}"
         return f"OK: all {checked} checked quantities match float64 autograd{tail}"
@@ -254,14 +289,10 @@ def _model_causes(model: nn.Module, x: Any) -> list[str]:
 
 
 def _loss_causes(lossfunc: Any) -> tuple[list[str], list[str]]:
-    causes, notes = [], []
+    causes: list[str] = []
+    notes: list[str] = []
     if not isinstance(lossfunc, nn.Module):
-        causes.append(
-            f"The loss function ({type(lossfunc).__name__}) is not an nn.Module, so it cannot be "
-            "extended: second-order extensions need an extended MSELoss, CrossEntropyLoss or "
-            "BCEWithLogitsLoss."
-        )
-        return causes, notes
+        return causes, notes  # a function: judged by what the second-order rows say (below)
     if not isinstance(lossfunc, _SUPPORTED_LOSSES):
         causes.append(
             f"The loss {type(lossfunc).__name__} is not one backpack knows (MSELoss, "
@@ -274,24 +305,60 @@ def _loss_causes(lossfunc: Any) -> tuple[list[str], list[str]]:
             f"Unusual reduction {reduction!r}: backpack needs a scalar loss, reduced with "
             "'mean' or 'sum'."
         )
-    if not getattr(lossfunc, "_backpack_extend", False):
-        notes.append(
-            "The loss function you passed is not extended; verify extends a copy, but your own "
-            "second-order backward passes need extend(lossfunc)."
-        )
     return causes, notes
+
+
+def _function_loss_cause(lossfunc: Any, rows: list[VerifyRow]) -> str | None:
+    """Why second-order extensions may refuse a loss given as a function (None: they did not)."""
+    if isinstance(lossfunc, nn.Module):
+        return None
+    if not any(r.order == 2 and r.status in ("n/a", "FAIL") for r in rows):
+        return None
+    name = getattr(lossfunc, "__name__", type(lossfunc).__name__)
+    return (
+        f"The loss function ({name}) is a function: second-order extensions recognise "
+        "F.cross_entropy, F.mse_loss and F.binary_cross_entropy_with_logits called in it (and "
+        "MSELoss, CrossEntropyLoss and BCEWithLogitsLoss modules, extended or not), no other loss."
+    )
 
 
 # ------------------------------------------------------------------------------------------------
 # Running
 
 
-def _first_sentence(message: str) -> str:
+def _first_sentence(message: Any) -> str:
+    """The message's first sentence, followed by its advice (a later clause "use ...") if any."""
     text = " ".join(str(message).split())
+    first = text
     for stop in (". ", "; "):
-        if stop in text:
-            text = text.split(stop)[0]
-    return text.rstrip(".")
+        if stop in first:
+            first = first.split(stop)[0]
+    first = first.rstrip(".")
+    advice = re.search(r"(?:^|[.;] )([Uu]se [^.;]*)", text[len(first) :])
+    if advice is None:
+        return first
+    what = advice.group(1)
+    return f"{first}; {what[0].lower()}{what[1:]}"
+
+
+@contextlib.contextmanager
+def _reference_kernels() -> Iterator[None]:
+    """Run attention with the math kernel while computing references.
+
+    Forward-mode and double derivatives of the fused kernels (flash attention on the CPU, ...)
+    are not implemented in torch.
+    """
+    with sdpa_kernel(SDPBackend.MATH):
+        yield
+
+
+def _group_by_reason(items: list[str]) -> str:
+    """'a (why), b (why), c (other)' as 'a, b (why); c (other)'."""
+    groups: dict[str, list[str]] = {}
+    for item in items:
+        name, sep, why = item.partition(" (")
+        groups.setdefault(f" ({why}" if sep else "", []).append(name)
+    return "; ".join(", ".join(names) + why for why, names in groups.items())
 
 
 def _take(obj: Any, count: int) -> Any:
@@ -314,7 +381,15 @@ def _subset(model: nn.Module, x: Any, y: Any, samples: int) -> tuple[Any, Any, s
     """The first `samples` samples of (x, y), if the first axis of x is the sample axis."""
     probe = copy.deepcopy(model)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        n = probe(x).shape[0]
+        output = probe(x)
+    if not isinstance(output, Tensor):
+        raise ValueError(
+            f"verify needs a model that returns one tensor (the loss is called as "
+            f"lossfunc(model(X), y)), but this one returns a {type(output).__name__}. Wrap it in "
+            "a module whose forward returns the tensor the loss takes, e.g. "
+            "`return self.model(x)[0]` (or `.logits` for Hugging Face outputs)."
+        )
+    n = output.shape[0]
     if n <= samples:
         return x, y, ""
     xs, ys = _take(x, samples), _take(y, samples)
@@ -383,7 +458,7 @@ def verify(
     report.notes.extend(loss_notes)
 
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), _reference_kernels():
             torch.manual_seed(seed)
             reference = Reference(work, loss_copy, x, y, seed=seed)
     except Exception as error:  # noqa: BLE001 - reported, not raised
@@ -391,7 +466,8 @@ def verify(
         report.notes.append(f"No reference: {type(error).__name__}: {_first_sentence(error)}.")
     if reference is not None:
         try:
-            coupling = reference.couples_samples()
+            with _reference_kernels():
+                coupling = reference.couples_samples()
         except Exception:  # noqa: BLE001 - e.g. a loss that is not a scalar
             coupling = 0.0
         if coupling > 1e-8:
@@ -407,6 +483,9 @@ def verify(
     for check, make in chosen:
         row = _run_one(check, make, work, loss_copy, x, y, reference, tolerance, seed)
         report.rows.append(row)
+    cause = _function_loss_cause(lossfunc, report.rows)
+    if cause is not None:
+        report.causes.append(cause)
     return report
 
 
@@ -424,6 +503,7 @@ def _run_one(
     ext = make()
     name = check.name if check is not None else type(ext).__name__
     row = VerifyRow(name, ext.savefield, check.reference if check else "", tolerance=tolerance)
+    row.order = check.order if check is not None else 0
     params = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
     for _, p in params:
         p.grad = None
@@ -463,7 +543,8 @@ def _run_one(
                     continue
                 raise ShapeError(f"nothing stored on {pname} although it has a gradient")
             try:
-                pairs.extend(check.check(reference, pname, value, param))
+                with _reference_kernels():
+                    pairs.extend(check.check(reference, pname, value, param))
             except Unchecked as why:
                 unchecked.append(f"{pname} ({why})")
         if not pairs and unchecked:
@@ -477,13 +558,15 @@ def _run_one(
         elif error is None and deviation is not None:
             row.status = "MC"
         if unchecked:
-            row.note = f"not checked: {', '.join(unchecked)}"
+            row.note = f"not checked: {_group_by_reason(unchecked)}"
+            row.partial = True
         if warned and row.status == "FAIL":
             row.note = f"warned: {_first_sentence(warned[0])}"
     except ShapeError as error:
         row.status, row.note = "FAIL", str(error)
     except Exception as error:  # noqa: BLE001 - the reference itself broke on this model
-        row.status, row.note = "unchecked", f"reference: {type(error).__name__}: {error}"
+        row.status = "unchecked"
+        row.note = f"reference failed: {type(error).__name__}: {_first_sentence(error)}"
     finally:
         for _, p in params:
             if hasattr(p, ext.savefield):
@@ -519,8 +602,10 @@ def format_report(report: VerifyReport, width: int = 100) -> str:
         cells = (row.extension, row.savefield, row.status, error, tol)
         lead = _line(cells)
         room = max(20, width - len(lead) - 1)
-        lines_max = 3 if row.status == "FAIL" else 2
-        chunks = textwrap.wrap(text, room, max_lines=lines_max, placeholder=" …") or [""]
+        if row.status in ("ok", "MC") and not row.partial:
+            chunks = textwrap.wrap(text, room, max_lines=2, placeholder=" …") or [""]
+        else:  # a reason, or what was left unchecked: never cut
+            chunks = textwrap.wrap(text, room) or [""]
         lines.append(lead + " " + chunks[0])
         lines.extend(" " * (len(lead) + 1) + c for c in chunks[1:])
     trouble = not report.ok or any(r.status == "n/a" for r in report.rows)
@@ -531,7 +616,7 @@ def format_report(report: VerifyReport, width: int = 100) -> str:
             for item in items:
                 wrapped = textwrap.wrap(item, width, initial_indent="- ", subsequent_indent="  ")
                 lines.extend(wrapped)
-    lines.append(report.summary())
+    lines.extend(textwrap.wrap(report.summary(), width, subsequent_indent="  "))
     return "\n".join(lines)
 
 
@@ -621,16 +706,20 @@ def main(argv: Sequence[str] | None = None, stream: TextIO | None = None) -> int
     if not isinstance(problem, (tuple, list)) or len(problem) != 4:
         parser.error(f"{args.factory} must return (model, lossfunc, X, y)")
     model, lossfunc, x, y = problem
-    report = verify(
-        model,
-        lossfunc,
-        x,
-        y,
-        extensions=args.extensions,
-        samples=args.samples,
-        dtype=getattr(torch, args.dtype),
-        seed=args.seed,
-    )
+    try:
+        report = verify(
+            model,
+            lossfunc,
+            x,
+            y,
+            extensions=args.extensions,
+            samples=args.samples,
+            dtype=getattr(torch, args.dtype),
+            seed=args.seed,
+        )
+    except ValueError as error:  # a problem verify cannot take (e.g. a tuple output)
+        print(f"python -m backpack verify: error: {error}", file=out)
+        return 2
     print(report, file=out)
     return 0 if report.ok else 1
 

@@ -243,8 +243,9 @@ def run_checks(make_model, data: Tensor, args) -> None:
         solved = torch.linalg.solve(dense, grad.flatten()).view_as(grad)
         solved = solved.T if transposed else solved
         name = type(module).__name__
+        article = "an" if name[0].lower() in "aeiou" else "a"
         check_close(
-            f"KFAC step of a {name} against a dense solve",
+            f"KFAC step of {article} {name} against a dense solve",
             kfac_direction(module, p, args.damping),
             solved,
             rtol=1e-3,
@@ -268,8 +269,16 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict[str, dict[float, float]] = {}
     for method in ("sgd", "diag", "kfac"):
         results[method] = {lr: train(make_model(), method, lr, data, args) for lr in args.lrs}
-        cells = ", ".join(f"lr {lr:g}: {loss:.3f}" for lr, loss in results[method].items())
+        cells = ", ".join(
+            f"lr {lr:g}: " + (f"{loss:.3f}" if math.isfinite(loss) else "diverged")
+            for lr, loss in results[method].items()
+        )
         print(f"  {method:5s} {cells}")
+    if any(not math.isfinite(v) for r in results.values() for v in r.values()):
+        print(
+            "  (diverged: the loss of a batch exceeded 3x that of uniform guessing, so training "
+            "stopped; that learning rate is too large for the method)"
+        )
     best = {m: min(r.values()) for m, r in results.items()}
     winner = min(best, key=best.get)
     print(

@@ -4,6 +4,7 @@ import gc
 import threading
 import weakref
 
+import pytest
 import torch
 from thread_checks import assert_threads_reproduce
 from torch import nn
@@ -63,6 +64,7 @@ def test_three_threads_thirty_passes_match_single_threaded_results():
     assert CTX.engines == []
 
 
+@pytest.mark.filterwarnings("ignore:.*saw no extended module take part:UserWarning")
 def test_contexts_are_per_thread():
     seen = {}
 

@@ -360,6 +360,7 @@ def test_forward_outside_backward_inside():
     assert_grads_exact(model, plain_grads(plain, x, y, nn.CrossEntropyLoss(reduction="sum")))
 
 
+@pytest.mark.filterwarnings("ignore:.*saw no extended module take part:UserWarning")
 def test_forward_in_one_context_backward_in_another():
     model, plain = extended_pair()
     x, y = batch()
@@ -1078,6 +1079,7 @@ class ScaleThenDropout(nn.Module):
         return self.drop(x * self.weight)
 
 
+@pytest.mark.filterwarnings("ignore:backpack has no dedicated rule for:UserWarning")
 @pytest.mark.parametrize("cls", [Centred, ScaleThenDropout])
 @pytest.mark.parametrize("extension", [BatchL2Grad, Variance, DiagGGNExact])
 def test_a_module_whose_samples_are_not_independent_is_refused(extension, cls):
@@ -1102,7 +1104,6 @@ def test_dropout_inside_a_module_without_rule_uses_the_forwards_masks(extension)
     """The weight of `ScaleThenDropout` meets the samples in a product: its per-sample
     gradients are read there, from the pass's own graph, so the dropout masks are the
     forward's (no re-run per sample) and the numbers are exact."""
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(D_IN, D_HID), ScaleThenDropout(D_HID), nn.Linear(D_HID, D_OUT))
     model.to(DTYPE)
@@ -1120,6 +1121,7 @@ def test_dropout_inside_a_module_without_rule_uses_the_forwards_masks(extension)
         torch.testing.assert_close(getattr(p, quantity), expected, msg=name)
 
 
+@pytest.mark.filterwarnings("ignore:Extension saving to grad_batch does not have:UserWarning")
 def test_batch_grad_warns_on_a_module_whose_samples_are_not_independent():
     model = nn.Sequential(nn.Linear(D_IN, D_HID), Centred(D_HID), nn.Linear(D_HID, D_OUT))
     extend(model.to(DTYPE))

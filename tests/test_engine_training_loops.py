@@ -235,6 +235,7 @@ def test_nan_in_one_sample_keeps_the_other_rows_exact_and_warns_nothing():
         close(p.batch_l2[keep], reference[name][keep].flatten(1).square().sum(1), name)
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True:UserWarning")
 def test_create_graph_keeps_per_sample_quantities_differentiable():
     model, lossfunc = extend(mlp()), extend(nn.CrossEntropyLoss())
     x = torch.randn(5, 4, dtype=DTYPE, requires_grad=True)
@@ -317,6 +318,26 @@ def test_context_without_extended_modules_warns_once():
         with backpack(BatchGrad()):
             model(torch.randn(4, 3)).sum().backward()
     assert not hasattr(model.weight, "grad_batch")
+
+
+@pytest.mark.parametrize("loss", ["module", "function", "extended module"])
+@pytest.mark.parametrize("extension", [BatchGrad, DiagGGNExact])
+def test_backward_through_an_unextended_model_warns(loss, extension):
+    """Forgetting `extend(model)`: the loss is recognised, but no layer takes part."""
+    from backpack import api
+
+    api._WARNED_NOTHING.clear()
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    lossfunc = {
+        "module": nn.CrossEntropyLoss(),
+        "function": nn.functional.cross_entropy,
+        "extended module": extend(nn.CrossEntropyLoss()),
+    }[loss]
+    out = model(torch.randn(5, 3))
+    with pytest.warns(UserWarning, match=r"no extended layer.*extend\(model\)"):
+        with backpack(extension()):
+            lossfunc(out, torch.randint(0, 2, (5,))).backward()
+    assert not hasattr(model[0].weight, extension().savefield)
 
 
 # --- calls that disagree on the samples ------------------------------------------------------

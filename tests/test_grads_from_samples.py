@@ -204,6 +204,7 @@ def _post_accumulate_hooked(model):
     return calls
 
 
+@pytest.mark.filterwarnings("ignore:Parameter .* also receives gradient from operations outside")
 @pytest.mark.parametrize(
     "case",
     ["regulariser", "tensor-hook", "post-accumulate-hook", "subsampling", "second-order",
@@ -426,6 +427,7 @@ class _FunctionalConv(nn.Module):
         return nn.functional.conv2d(x, self.weight, stride=2)
 
 
+@pytest.mark.filterwarnings("ignore:backpack has no dedicated rule for:UserWarning")
 @pytest.mark.parametrize("layer", [_ScaledInputConv, _FunctionalConv])
 def test_overridden_forwards_and_modules_without_rule_keep_autograds_gradient(layer, derived):
     torch.manual_seed(0)

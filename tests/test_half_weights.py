@@ -60,6 +60,7 @@ def _relative(actual, expected):
     return float((actual.double() - expected).norm() / expected.norm().clamp_min(1e-30))
 
 
+@pytest.mark.filterwarnings("ignore:backpack has no dedicated rule for Conv1D:UserWarning")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_half_weights_give_every_quantity_within_autograds_own_error(dtype):
     torch.manual_seed(0)

@@ -328,3 +328,47 @@ def test_one_checked_quantity_in_the_singular():
     code, text = _run([*TINY, "--model", "mlp", "--extensions", "BatchL2Grad", "--no-plot"])
     assert code == 0
     assert text.rstrip().splitlines()[-1].startswith("OK: the checked quantity matches")
+
+
+def test_help_mentions_verify(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["python -m backpack", "--help"])
+    with pytest.raises(SystemExit):
+        runpy.run_module("backpack", run_name="__main__")
+    out = " ".join(capsys.readouterr().out.split())
+    assert "python -m backpack verify MODULE:FACTORY" in out
+
+
+def test_not_applicable_rows_keep_their_advice():
+    argv = [*TINY, "--model", "cnn,resnet", "--extensions", "KFRA", "--no-plot"]
+    argv[argv.index("cnn,resnet")] = "cnn"
+    code, text = _run(argv)
+    assert code == 0, text
+    row = text[text.index("n/a: KFRA needs") :]
+    row = " ".join(row[: row.index("\n\n")].split())
+    assert "use KFLR or KFAC" in row and "…" not in row and "..." not in row
+
+
+def test_first_sentence_keeps_the_advice():
+    message = (
+        "KFRA needs the model to be a chain of modules; the graph branches into Conv2d. "
+        "Use KFLR or KFAC for branching models."
+    )
+    assert tour._first_sentence(message) == (
+        "KFRA needs the model to be a chain of modules; use KFLR or KFAC for branching models"
+    )
+    assert tour._first_sentence("X cannot handle Y. Supported are Z.") == "X cannot handle Y"
+
+
+def test_a_run_that_checked_nothing_does_not_say_ok(monkeypatch):
+    backward = tour._backward
+
+    def refuse(model, lossfunc, x, y, exts):
+        if exts:
+            raise NotImplementedError("not for this model. Use another one.")
+        return backward(model, lossfunc, x, y, exts)
+
+    monkeypatch.setattr(tour, "_backward", refuse)
+    code, text = _run([*TINY, "--model", "mlp", "--extensions", "BatchL2Grad", "--no-plot"])
+    last = text.rstrip().splitlines()[-1]
+    assert code == 0
+    assert last.startswith("NOTHING CHECKED") and "OK" not in last

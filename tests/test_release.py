@@ -1,5 +1,6 @@
 """Version, changelog and documentation details that must stay consistent."""
 
+import datetime
 import importlib.util
 import re
 from pathlib import Path
@@ -25,12 +26,19 @@ def test_one_source_of_the_version():
 
 
 def test_changelog_starts_with_the_current_version():
-    """The first version heading (after an optional "Unreleased" one) is the current version."""
+    """The first version heading (after an optional "Unreleased" one) is the current version;
+    every version heading carries its release date, `## 0.3.0 (2026-11-27)`, newest first."""
     changelog = (ROOT / "CHANGELOG.md").read_text()
-    first = re.search(r"^## (?!Unreleased$)(\S+)$", changelog, re.MULTILINE)
-    assert first and first.group(1) == backpack.__version__
-    headings = re.findall(r"^## (\S+)$", changelog, re.MULTILINE)
+    headings = re.findall(r"^## (.*)$", changelog, re.MULTILINE)
     assert "Unreleased" not in headings[1:]  # only at the top
+    versions = [h for h in headings if h != "Unreleased"]
+    dated = [re.fullmatch(r"(\d+\.\d+\.\d+) \((\d{4}-\d{2}-\d{2})\)", h) for h in versions]
+    assert all(dated), [h for h, m in zip(versions, dated) if not m]
+    assert dated[0].group(1) == backpack.__version__
+    dates = [m.group(2) for m in dated]
+    assert dates == sorted(dates, reverse=True)
+    for date in dates:
+        datetime.date.fromisoformat(date)
 
 
 def test_home_page_shows_the_version():

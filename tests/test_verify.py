@@ -42,6 +42,7 @@ KFRA_SILENT = {
 }
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")  # torch's vmap
 @pytest.mark.parametrize("problem", ALL_PROBLEMS, ids=[p.id for p in ALL_PROBLEMS])
 def test_verify_passes_on_the_problem_table(problem):
     model, x, lossfunc, y = problem.build()
@@ -85,7 +86,9 @@ def test_verify_all_extensions_on_an_mlp_and_the_table():
     text = str(report)
     assert text.splitlines()[1].split()[:4] == ["extension", "attribute", "status", "rel"]
     assert "OK: all 16 checked quantities match float64 autograd (3 Monte-Carlo)" in text
-    assert "not extended" in text  # the loss passed in was not extended
+    # an unextended loss module is recognised: nothing to warn about
+    assert "not extended" not in text and not report.notes and not report.causes
+    assert report.complete and text.splitlines()[-1].startswith("OK: all 16")
 
 
 def test_verify_fails_on_a_broken_rule(monkeypatch):
@@ -254,3 +257,121 @@ def test_module_entry_point_dispatches_verify(tmp_path, monkeypatch, capsys):
         runpy.run_module("backpack", run_name="__main__")
     assert info.value.code == 0
     assert "OK: the checked quantity matches" in capsys.readouterr().out
+
+
+class _TinyTransformer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(7, 8)
+        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.layer(self.embed(x)).mean(1))
+
+
+def test_verify_checks_the_ggn_family_on_attention_models():
+    """References run attention with the math kernel (the fused CPU kernels have no
+    forward-mode derivative); what stays unchecked is said in the last line."""
+    torch.manual_seed(0)
+    model = _TinyTransformer().to(DTYPE).eval()
+    x, y = torch.randint(0, 7, (6, 5)), torch.randint(0, 3, (6,))
+    extensions = "DiagGGNExact,BatchDiagGGNExact,SqrtGGNExact,GGNMP,KFLR"
+    report = backpack.verify(model, nn.CrossEntropyLoss(), x, y, extensions=extensions)
+    rows = {r.extension: r for r in report.rows}
+    for name in ("DiagGGNExact", "BatchDiagGGNExact", "SqrtGGNExact", "GGNMP"):
+        assert rows[name].status == "ok", str(report)
+    # no Kronecker reference for Embedding and MultiheadAttention: KFLR is checked in part
+    assert rows["KFLR"].status == "ok" and rows["KFLR"].partial
+    assert report.ok and not report.complete
+    text = str(report)
+    last = " ".join(text[text.rindex("INCOMPLETE") :].split())
+    assert "NOT CHECKED: KFLR (some parameters)" in last
+    assert not any(line.startswith("OK") for line in text.splitlines())
+    assert "…" not in text.split("KFLR", 1)[1]  # the reasons are never cut
+
+
+def test_verify_never_says_ok_when_a_quantity_is_unchecked(monkeypatch):
+    from backpack import reference
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("derivative not implemented. It is a long story; use a math kernel.")
+
+    monkeypatch.setattr(reference.Reference, "diag_ggn_batch", broken)
+    model, lossfunc, x, y = _mlp()
+    report = backpack.verify(model, lossfunc, x, y, extensions="BatchGrad,DiagGGNExact")
+    rows = {r.extension: r for r in report.rows}
+    assert rows["DiagGGNExact"].status == "unchecked", str(report)
+    assert "use a math kernel" in rows["DiagGGNExact"].note  # the advice is kept
+    summary = report.summary()
+    assert summary.startswith("INCOMPLETE") and "NOT CHECKED: DiagGGNExact" in summary
+
+
+def test_verify_summary_when_nothing_was_checked():
+    report = verify_report_with_rows([("KFRA", "n/a")])
+    assert report.summary().startswith("NOTHING CHECKED")
+    report = verify_report_with_rows([("BatchGrad", "ok"), ("KFAC", "unchecked")])
+    assert report.summary().startswith("INCOMPLETE: 1 checked quantity matches")
+
+
+def verify_report_with_rows(rows):
+    from backpack.verification import VerifyRow
+
+    return backpack.VerifyReport(rows=[VerifyRow(name, "x", status=st) for name, st in rows])
+
+
+class _TupleOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(5, 3)
+
+    def forward(self, x):
+        out = self.linear(x)
+        return out, out.detach()
+
+
+def test_verify_refuses_tuple_outputs_clearly(tmp_path, monkeypatch):
+    _, _, x, y = _mlp()
+    model = _TupleOutput().to(DTYPE).to(DEVICE)
+    with pytest.raises(ValueError, match=r"returns a tuple\. Wrap it"):
+        backpack.verify(model, lambda out, t: nn.functional.cross_entropy(out[0], t), x, y)
+    (tmp_path / "tuple_problems.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from torch import nn
+
+            class Pair(nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.linear = nn.Linear(4, 2)
+
+                def forward(self, x):
+                    return self.linear(x), x
+
+            def make():
+                return Pair(), nn.CrossEntropyLoss(), torch.randn(6, 4), torch.randint(0, 2, (6,))
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = io.StringIO()
+    assert main(["tuple_problems:make", "--extensions", "BatchGrad"], stream=out) == 2
+    assert "returns a tuple" in out.getvalue()
+
+
+def test_verify_function_loss_is_named_only_when_refused():
+    model, _, x, y = _mlp()
+    report = backpack.verify(
+        model, nn.functional.cross_entropy, x, y, extensions="BatchGrad,DiagGGNExact"
+    )
+    assert report.ok and not report.causes, str(report)
+
+    def custom(out, target):  # no loss backpack knows: second order refuses
+        return (out.log_softmax(1).gather(1, target[:, None]) ** 2).mean()
+
+    report = backpack.verify(model, custom, x, y, extensions="BatchGrad,DiagGGNExact")
+    statuses = {r.extension: r.status for r in report.rows}
+    assert statuses["BatchGrad"] == "ok"
+    assert statuses["DiagGGNExact"] in ("n/a", "FAIL")
+    assert any("F.cross_entropy" in c and "custom" in c for c in report.causes), report

@@ -38,16 +38,31 @@ def ggn_vector_product_from_plist(
 def ggn_vector_product(
     loss: Tensor, output: Tensor, model: nn.Module, v: Sequence[Tensor] | Tensor
 ) -> tuple[Tensor, ...]:
-    """GGN of `loss` w.r.t. `model.parameters()` times `v` (see `ggn_vector_product_from_plist`).
+    """GGN of `loss` w.r.t. the trainable parameters of `model` times `v`.
+
+    The GGN spans the parameters with `requires_grad=True` (frozen ones are left out), in
+    `model.parameters()` order; see `ggn_vector_product_from_plist`.
 
     Args:
         loss: Scalar loss computed from `output`.
         output: The model's output.
-        model: Module whose parameters (in `model.parameters()` order) span the GGN.
-        v: Vectors shaped like the parameters, in the same order.
+        model: Module whose trainable parameters span the GGN.
+        v: Vectors shaped like the trainable parameters, in the same order.
 
     Returns:
-        One detached tensor per parameter, shaped like it.
+        One detached tensor per trainable parameter, shaped like it.
+
+    Raises:
+        ValueError: If `v` does not hold one vector per trainable parameter.
 
     """
-    return ggn_vector_product_from_plist(loss, output, list(model.parameters()), v)
+    params = [p for p in model.parameters() if p.requires_grad]
+    vectors = as_tuple(v)
+    if len(vectors) != len(params):
+        frozen = sum(1 for p in model.parameters() if not p.requires_grad)
+        raise ValueError(
+            f"ggn_vector_product needs one vector per trainable parameter: the model has "
+            f"{len(params)} trainable (and {frozen} frozen) parameters, got {len(vectors)} "
+            "vectors."
+        )
+    return ggn_vector_product_from_plist(loss, output, params, vectors)

@@ -33,6 +33,17 @@ def check_vectors(
             )
 
 
+def check_differentiable(xs: tuple[Tensor, ...]) -> None:
+    """Raise `RuntimeError` naming the first tensor of `xs` that autograd does not track."""
+    for i, x in enumerate(xs):
+        if not x.requires_grad:
+            raise RuntimeError(
+                f"Cannot differentiate w.r.t. tensor {i} (shape {tuple(x.shape)}): it does not "
+                "require grad (a frozen parameter?). Pass only the trainable ones, e.g. "
+                "[p for p in model.parameters() if p.requires_grad], with one vector each."
+            )
+
+
 def vjp(
     ys: TensorOrSequence,
     xs: TensorOrSequence,
@@ -45,6 +56,7 @@ def vjp(
     pairs = [(y, w) for y, w in zip(ys_t, ws_t, strict=True) if y.requires_grad]
     if not pairs:
         return tuple(torch.zeros_like(x) for x in xs_t)
+    check_differentiable(xs_t)
     grads = torch.autograd.grad(
         [y for y, _ in pairs],
         xs_t,

@@ -12,6 +12,16 @@ from problems import (
 from backpack import backpack, extend
 from backpack.extensions import BatchDotGrad, BatchGrad, BatchL2Grad, SumGradSquared, Variance
 
+#: expected warnings: problems of the table whose layers have no rule use the torch.func
+#: fallback (it warns once per layer class), and torch's vmap notices missing batching rules
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:backpack has no dedicated rule for:UserWarning"),
+    pytest.mark.filterwarnings(
+        "ignore:There is a performance drop because we have not yet implemented the batching "
+        "rule:UserWarning"
+    ),
+]
+
 PROBLEMS = problems_with("first")
 EXTENSIONS = {
     "grad_batch": BatchGrad,

@@ -25,6 +25,16 @@ from backpack.extensions import (
     SqrtGGNMC,
 )
 
+#: expected warnings: problems of the table whose layers have no rule use the torch.func
+#: fallback (it warns once per layer class), and torch's vmap notices missing batching rules
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:backpack has no dedicated rule for:UserWarning"),
+    pytest.mark.filterwarnings(
+        "ignore:There is a performance drop because we have not yet implemented the batching "
+        "rule:UserWarning"
+    ),
+]
+
 SECOND = problems_with("second")
 HESSIAN = problems_with("hessian")
 KRON = problems_with("kron")

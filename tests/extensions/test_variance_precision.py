@@ -18,6 +18,16 @@ from torch import nn
 from backpack import backpack, extend
 from backpack.extensions import BatchGrad, SumGradSquared, Variance
 
+#: expected warnings: problems of the table whose layers have no rule use the torch.func
+#: fallback (it warns once per layer class), and torch's vmap notices missing batching rules
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:backpack has no dedicated rule for:UserWarning"),
+    pytest.mark.filterwarnings(
+        "ignore:There is a performance drop because we have not yet implemented the batching "
+        "rule:UserWarning"
+    ),
+]
+
 
 class Affine(nn.Module):
     """Parameters and no rule: the torch.func fallback."""

@@ -45,7 +45,14 @@ from backpack.extensions import (  # noqa: E402
 )
 
 # the zoo builds its models and references on the CPU (float64 brute force)
-pytestmark = pytest.mark.cpu_only
+pytestmark = [
+    pytest.mark.cpu_only,
+    # expected: layers without a rule (timm's blocks, ViT embeddings) use the torch.func
+    # fallback; torch's vmap notices missing batching rules; transformers' own deprecation
+    pytest.mark.filterwarnings("ignore:backpack has no dedicated rule for:UserWarning"),
+    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
+    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
+]
 
 EXTENSIONS = {
     "grad_batch": BatchGrad,

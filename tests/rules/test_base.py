@@ -119,6 +119,8 @@ class _LoggedBatchNorm(nn.BatchNorm1d):
         return super().forward(x)
 
 
+@pytest.mark.filterwarnings("ignore:backpack has no dedicated rule for _Logged:UserWarning")
+@pytest.mark.filterwarnings("ignore:Extension saving to grad_batch does not have:UserWarning")
 def test_fallback_refuses_batch_statistics_of_an_overriding_batchnorm():
     """The fallback's per-sample calls would normalise each sample alone: refused as mixing."""
     from backpack.extensions import BatchGrad, BatchL2Grad

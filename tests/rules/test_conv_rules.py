@@ -123,6 +123,7 @@ def _record(module, x, out, kwargs):
     return Record(module, (x,), kwargs, (out,), out)
 
 
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel lengths:UserWarning")
 @pytest.mark.parametrize("name", list(CASES))
 def test_both_weight_gradient_algorithms_match_autograd(name, monkeypatch):
     module, x, grad_out, kwargs = _case(name)

@@ -204,6 +204,7 @@ def _norm_params(model):
     ]
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
 @pytest.mark.parametrize("problem", NORM_KRON, ids=[p.id for p in NORM_KRON])
 def test_kflr_and_kfac_are_dense_curvature_blocks(problem):
     """KFLR: the exact GGN block; KFAC: Σ (Jᵀ f)(Jᵀ f)ᵀ of the same MC factor as SqrtGGNMC."""

@@ -271,6 +271,7 @@ KRON_DENSE = [
 ]
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
 @pytest.mark.parametrize("problem", KRON_DENSE, ids=lambda p: p.id)
 def test_dense_factors_are_the_exact_ggn_blocks(problem):
     model, x, lossfunc, y = problem.build()
