@@ -12,6 +12,7 @@ from backpack import (
 from backpack._version import __version__
 from backpack.api import backpack, disable, extend, memory_cleanup
 from backpack.custom_module.graph_utils import convert_module_to_backpack
+from backpack.jacobian import jacobians
 from backpack.verification import VerifyReport, verify
 
 
@@ -48,6 +49,7 @@ __all__ = [
     "disable",
     "memory_cleanup",
     "convert_module_to_backpack",
+    "jacobians",
     "extensions",
     "verify",
     "VerifyReport",

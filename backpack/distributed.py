@@ -72,6 +72,7 @@ _SECOND_ORDER = {
     "diag": ("sum", 1.0),
     "batch_diag": ("rows", 1.0),
     "sqrt": ("rows", 0.5),
+    "jacobian": ("rows", 0.0),  # Jacobians of the output do not depend on the loss
     "kron": ("kron", 1.0),
     "mp": ("mp", 1.0),
 }

@@ -45,7 +45,7 @@ from backpack.rules.activations import (
 )
 from backpack.rules.base import ModuleRule
 from backpack.rules.generic import FuncRule
-from backpack.rules.losses import find_loss_rule
+from backpack.rules.losses import find_loss_rule, identity_columns
 
 if TYPE_CHECKING:  # pragma: no cover
     from backpack.extensions.secondorder import SecondOrderBackpropExtension
@@ -328,21 +328,24 @@ def on_loss_backward(
     exts = state.second_order
     module = record.module
     rule = find_loss_rule(module)
-    names = ", ".join(e.__class__.__name__ for e in exts)
-    if rule is None:
+    # Jacobians start from unit columns at the loss input: any loss, any weight will do
+    curvature = [e for e in exts if e.factor != "jacobian"]
+    names = ", ".join(e.__class__.__name__ for e in curvature)
+    if rule is None and curvature:
         raise NotImplementedError(
-            f"{names} {'does' if len(exts) == 1 else 'do'} not support the loss function "
+            f"{names} {'does' if len(curvature) == 1 else 'do'} not support the loss function "
             f"{describe(module)}. Supported: MSELoss, CrossEntropyLoss, BCEWithLogitsLoss."
         )
-    for ext in exts:
+    for ext in curvature:
         rule.check(module, ext.__class__.__name__)
     scale = grads[0]
-    if scale is None or scale.numel() != 1:
+    scalar = scale is not None and scale.numel() == 1
+    if curvature and not scalar:
         raise NotImplementedError(
-            f"{names} {'needs' if len(exts) == 1 else 'need'} a scalar loss "
+            f"{names} {'needs' if len(curvature) == 1 else 'need'} a scalar loss "
             f"({describe(module)} has reduction='none'?)."
         )
-    scale_value = float(scale)
+    scale_value = float(scale) if scalar else 1.0
     sign = -1.0 if scale_value < 0 else 1.0
     weight = abs(scale_value)
     state.loss_seen = True
@@ -359,6 +362,14 @@ def on_loss_backward(
         positions = rows_within_samples(record, out_edge, found)
         factors = []
         for key in keys:
+            if key[0] == "jacobian":
+                _check_exact_size(record, [e for e in exts if e.factor_key == key])
+                s = identity_columns(record.args[0])
+                if positions is not None:  # columns (t, c): t a row's position in its sample
+                    s = _spread_columns(s, *positions, position_major=True)
+                factors.append(s)
+                state.loss_columns.setdefault(key, {})[pos] = (s.shape[0], 1.0)
+                continue
             if key[0] == "exact":
                 _check_exact_size(record, [e for e in exts if e.factor_key == key])
                 # square roots keep one column per output entry (their documented shape);
@@ -419,12 +430,19 @@ def _check_exact_size(record: Record, exts: list[SecondOrderBackpropExtension]) 
         return
     names = ", ".join(sorted({e.__class__.__name__ for e in exts}))
     size = elements * max(out.element_size(), 4) / 2**30
+    jacobian = all(e.factor == "jacobian" for e in exts)
+    what = "unit columns (one per output entry of a sample) at" if jacobian else (
+        "the exact Hessian factor of"
+    )
+    instead = "" if jacobian else (
+        "the Monte-Carlo versions (DiagGGNMC, BatchDiagGGNMC, SqrtGGNMC, KFAC), "
+    )
     raise NotImplementedError(
-        f"{names} need{'s' if len(exts) == 1 else ''} the exact Hessian factor of "
+        f"{names} need{'s' if len(exts) == 1 else ''} {what} "
         f"{describe(record.module)} w.r.t. its input {list(out.shape)}: about {per_sample} "
-        f"columns of {out.numel()} entries ({size:.0f} GiB) to backpropagate. Use the "
-        "Monte-Carlo versions (DiagGGNMC, BatchDiagGGNMC, SqrtGGNMC, KFAC), fewer output "
-        "entries per sample, or raise backpack.secondorder.EXACT_FACTOR_MAX_ELEMENTS "
+        f"columns of {out.numel()} entries ({size:.0f} GiB) to backpropagate. Use {instead}"
+        "fewer output entries per sample, or raise "
+        "backpack.secondorder.EXACT_FACTOR_MAX_ELEMENTS "
         f"(now {EXACT_FACTOR_MAX_ELEMENTS})."
     )
 
@@ -473,8 +491,10 @@ def _store_factors(state: BackwardState, columns: _LossColumns, convolutional: b
         per_key = target.extra.setdefault("factors", {})
         parts = [None] * len(sizes) if result is None else result.split(sizes)
         for key, part in zip(keys, parts):
+            # a Jacobian's columns carry no loss weight, hence no sign
+            key_sign = 1.0 if key[0] == "jacobian" else sign
             slot = per_key.setdefault(key, {}).setdefault(
-                pos, ([None] * len(target.outputs), sign)
+                pos, ([None] * len(target.outputs), key_sign)
             )
             slot[0][index] = part
 
@@ -761,11 +781,18 @@ def _unmappable(record: Record) -> None:
     )
 
 
-def _spread_columns(factor: Tensor, slot: Tensor, slots: int) -> Tensor:
-    """`[V, R, *]` → `[V·K, R, *]`: column (v, k) holds the rows in slot k only."""
+def _spread_columns(
+    factor: Tensor, slot: Tensor, slots: int, position_major: bool = False
+) -> Tensor:
+    """`[V, R, *]` → `[V·K, R, *]`: column (v, k) holds the rows in slot k only.
+
+    Columns are ordered (v, k), or (k, v) with `position_major`.
+    """
     v, rows = factor.shape[0], factor.shape[1]
     spread = factor.new_zeros(v, slots, *factor.shape[1:])
     spread[:, slot, torch.arange(rows, device=factor.device)] = factor
+    if position_major:
+        spread = spread.transpose(0, 1)
     return spread.reshape(v * slots, *factor.shape[1:])
 
 

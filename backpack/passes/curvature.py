@@ -28,6 +28,9 @@ from backpack.rules.base import ModuleRule
 #: largest parameter (number of entries) whose Kronecker "factors" may be its dense curvature
 #: block: a one-element list `[B]` with B of shape `[P, P]`, as for a Linear layer's bias
 DENSE_BLOCK_MAX_NUMEL = 4096
+#: outputs stored as `[V, N, *param.shape]` columns (a Jacobian is a square root without the
+#: loss Hessian; `BatchJacobian.stored` turns it sample-major)
+_SQRT_LIKE = ("sqrt", "jacobian")
 
 
 def _check_dense_size(ext: BackpropExtension, param: Tensor, label: str, why: str) -> None:
@@ -218,7 +221,7 @@ def run_second_order(
             values = _second_order_values(state, ext, record, rule, direct, placement)
             for name in direct:
                 if name in values:
-                    setattr(params[name], ext.savefield, values[name])
+                    setattr(params[name], ext.savefield, ext.stored(values[name]))
     for name, uses in shared:
         p = params[name]
         curvature = state.curvatures.get(id(p))
@@ -249,8 +252,8 @@ def _store_empty_second_order(
                 value: Any = torch.zeros_like(p)
             elif ext.output == "batch_diag":
                 value = p.new_zeros(0, *p.shape)
-            elif ext.output == "sqrt":
-                value = p.new_zeros(columns, 0, *p.shape)
+            elif ext.output in _SQRT_LIKE:
+                value = ext.stored(p.new_zeros(columns, 0, *p.shape))
             else:
                 value = _zero_product
             setattr(p, ext.savefield, value)
@@ -285,7 +288,7 @@ def _second_order_values(
         if per_sample and placement is not None:
             values = {k: place_rows(v, *placement) for k, v in values.items()}
         return values
-    if ext.output == "sqrt":
+    if ext.output in _SQRT_LIKE:
         _check_signs(state, ext, record)
         terms = secondorder.terms_for(record, ext)
         if _simple_sqrt(state, ext, record, placement):
@@ -378,7 +381,7 @@ def assemble_sqrt(state: BackwardState) -> None:
         if subsampling is not None:
             index = torch.as_tensor(subsampling, dtype=torch.long, device=full.device)
             full = full[:, index]
-        setattr(pieces.param, ext.savefield, full)
+        setattr(pieces.param, ext.savefield, ext.stored(full))
 
 
 def finalize_curvature(state: BackwardState, curvature: _ParamCurvature) -> None:
@@ -397,7 +400,7 @@ def finalize_curvature(state: BackwardState, curvature: _ParamCurvature) -> None
             continue
         value = _shared_value(state, ext, param, name, calls, cross)
         if value is not None:
-            setattr(param, ext.savefield, value)
+            setattr(param, ext.savefield, ext.stored(value))
 
 
 def _shared_value(
@@ -441,7 +444,7 @@ def _shared_value(
         return total
     # square roots of all calls (cross terms between calls on the same samples included)
     full, sign = _joint_sqrt(state, ext, param, name, calls)
-    if ext.output == "sqrt":
+    if ext.output in _SQRT_LIKE:
         subsampling = ext.get_subsampling()
         if subsampling is not None:
             full = full[:, torch.as_tensor(subsampling, dtype=torch.long, device=full.device)]
@@ -463,7 +466,7 @@ def _joint_sqrt(
     columns = {p: v for p, (v, _) in state.loss_columns.get(ext.factor_key, {}).items()}
     signs = {p: s for p, (_, s) in state.loss_columns.get(ext.factor_key, {}).items()}
     for record, rule, placement in calls:
-        if ext.output == "sqrt":
+        if ext.output in _SQRT_LIKE:
             _check_signs(state, ext, record)
         for pos, factors, _ in secondorder.terms_for(record, ext):
             piece = rule.sqrt_factor(record, factors, [name])[name]

@@ -30,6 +30,15 @@ def _eye_columns(
     return eye.expand(d, n, *shape)
 
 
+def identity_columns(out: Tensor) -> Tensor:
+    """`[D, N, *out.shape[1:]]` unit columns at a loss input `out`: where Jacobians start.
+
+    Backpropagated like a Hessian factor, column d becomes, at every sample, the gradient of
+    output entry d of that sample (`BatchJacobian`); no loss Hessian enters.
+    """
+    return _eye_columns(tuple(out.shape[1:]), out.shape[0], out.dtype, out.device)
+
+
 class LossRule:
     """Hessian factors of one loss type. `record.args = (output, target)`."""
 

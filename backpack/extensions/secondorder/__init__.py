@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 from backpack.extensions.backprop_extension import BackpropExtension
 
@@ -47,9 +48,11 @@ class SecondOrderBackpropExtension(BackpropExtension):
     """A built-in second-order extension, described declaratively for the engine.
 
     Attributes:
-        factor: "exact" (one column per output entry), "mc" (`mc_samples` sampled columns) or
-            "sum" (KFRA's batch-summed dense Hessian, backpropagated through the module chain).
-        output: What is stored: "diag", "batch_diag", "sqrt", "kron" or "mp" (a callable).
+        factor: "exact" (one column per output entry), "mc" (`mc_samples` sampled columns),
+            "sum" (KFRA's batch-summed dense Hessian, backpropagated through the module chain)
+            or "jacobian" (unit columns at the loss input: no loss Hessian, see BatchJacobian).
+        output: What is stored: "diag", "batch_diag", "sqrt", "kron", "mp" (a callable) or
+            "jacobian" (a square root without the loss Hessian, stored sample-major).
         residual: None (GGN), "signed" (exact Hessian), "clip" or "abs" (positive-curvature
             Hessian): how second derivatives of activations enter.
     """
@@ -80,6 +83,10 @@ class SecondOrderBackpropExtension(BackpropExtension):
     def factor_key(self) -> tuple:
         """Identifies the loss-Hessian factor this extension needs (shared between extensions)."""
         return ("mc", self.mc_samples) if self.factor == "mc" else (self.factor,)
+
+    def stored(self, value: Any) -> Any:
+        """What is written to `savefield`, from the engine's value (layout changes only)."""
+        return value
 
     def __repr__(self) -> str:
         if self.factor == "mc":
@@ -143,6 +150,39 @@ class SqrtGGNMC(SecondOrderBackpropExtension):
 
     def __init__(self, mc_samples: int = 1, subsampling: Sequence[int] | None = None) -> None:
         super().__init__("sqrt_ggn_mc", mc_samples=mc_samples, subsampling=subsampling)
+
+
+class BatchJacobian(SecondOrderBackpropExtension):
+    """Per-sample Jacobians of the model output `[N, V, *param.shape]`, saved as `jac_batch`.
+
+    Entry `[n, v]` is the derivative of entry v of sample n's output (the loss's input, flattened
+    per sample: V = C for `[N, C]`, V = T·C for `[N, T, C]` in (t, c) order) w.r.t. the
+    parameter. It rides the curvature pass of `SqrtGGNExact` with the identity in place of the
+    loss Hessian's square root: unit columns start at the loss input, so the loss function, its
+    value, reduction and weight in the backward do not matter (any extended loss, or none with
+    `backpack.jacobians`). All V columns travel in one backward pass; C passes of `BatchGrad`
+    on `out[:, c].sum()` give the same numbers.
+
+    With several losses in one backward, each adds its own block of columns (in the order the
+    losses were called). A token loss on flattened logits (`[N·T, C]` rows) gets columns
+    (t, c), t being a row's position within its sample.
+
+    Args:
+        subsampling: Indices of the samples to keep (rows of the result).
+    """
+
+    factor = "jacobian"
+    output = "jacobian"
+
+    def __init__(self, subsampling: Sequence[int] | None = None) -> None:
+        super().__init__("jac_batch", subsampling=subsampling)
+
+    def stored(self, value: Any) -> Any:
+        """`[N, V, *param.shape]` from the engine's column-major `[V, N, *param.shape]`."""
+        return value.transpose(0, 1).contiguous()
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}()"
 
 
 class DiagHessian(SecondOrderBackpropExtension):
@@ -271,6 +311,7 @@ __all__ = [
     "BatchDiagGGNMC",
     "SqrtGGNExact",
     "SqrtGGNMC",
+    "BatchJacobian",
     "DiagHessian",
     "BatchDiagHessian",
     "GGNMP",
