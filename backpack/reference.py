@@ -29,6 +29,8 @@ from torch.func import functional_call, grad, jacrev, jvp, vjp, vmap
 
 #: diagonals of curvature matrices are compared at this many entries per parameter at most
 MAX_ENTRIES = 32
+#: output entries up to which output Jacobians fall back to reverse mode (one pass per entry)
+MAX_OUTPUT_ENTRIES = 4096
 #: number of random directions for checking matrix-valued quantities through products
 NUM_DIRECTIONS = 3
 #: relative tolerance (w.r.t. the largest reference entry) per computation dtype
@@ -243,6 +245,31 @@ class Reference:
         except Exception:  # a model torch.func cannot batch (in-place ops, ...): one at a time
             out = torch.stack([one(t) for t in tangents])
         return out.reshape(tangents.shape[0], self.batch_size, -1)
+
+    def output_jacobian(self, name: str) -> Tensor:
+        """`[K, N, D]`: derivatives of the output entries w.r.t. the entries of `entries(name)`.
+
+        Forward mode, or reverse mode (one vector-Jacobian product per output entry, up to
+        `MAX_OUTPUT_ENTRIES`) where an operation has no forward-mode derivative.
+        """
+
+        def compute() -> Tensor:
+            try:
+                return self._output_jvps(name, self._unit_tangents(name))
+            except NotImplementedError:
+                if self.output.numel() > MAX_OUTPUT_ENTRIES:
+                    raise
+            _, pullback = vjp(lambda v: self._forward(name, v), self.params[name])
+            index = self.entries(name)
+            rows = []
+            for j in range(self.output.numel()):
+                cotangent = torch.zeros_like(self.output).flatten()
+                cotangent[j] = 1.0
+                rows.append(pullback(cotangent.reshape(self.output.shape))[0].flatten()[index])
+            jac = torch.stack(rows, 1)  # [K, N·D]
+            return jac.reshape(len(index), self.batch_size, -1)
+
+        return self._cached(("jac", name), compute)
 
     def diag_ggn_batch(self, name: str) -> Tensor:
         """`[N, K]`: per-sample GGN diagonal `Jₙᵀ Hₙ Jₙ` at the entries of `entries(name)`."""
@@ -564,6 +591,17 @@ def sqrt_ggn_check(mc: bool) -> Check:
     return check
 
 
+def jacobian_check() -> Check:
+    """Check of per-sample output Jacobians `[N, D, *S]` at `MAX_ENTRIES` parameter entries."""
+
+    def check(ref: Reference, name: str, value: Any, param: Tensor) -> list[Pair]:
+        shape = (ref.batch_size, ref.output[0].numel(), *param.shape)
+        value = _expect(value, shape).flatten(2)[:, :, ref.entries(name)]
+        return [Pair(value.permute(2, 0, 1), ref.output_jacobian(name))]
+
+    return check
+
+
 def products_check(kind: str) -> Check:
     """Check of a product callable (`ggnmp`, `hmp`, `pchmp`) on random directions.
 
@@ -727,6 +765,7 @@ CHECKS: list[ExtensionCheck] = [
     ExtensionCheck(
         "SqrtGGNMC", "sqrt_ggn_mc", 2, "MC: {dev} off exact", sqrt_ggn_check(True), True
     ),
+    ExtensionCheck("BatchJacobian", "jac_batch", 2, "∂fₙ/∂θᵢ (jvp)", jacobian_check()),
     ExtensionCheck("KFAC", "kfac", 2, "E[xxᵀ]; G MC {dev} off", kron_check("kfac"), True),
     ExtensionCheck("KFLR", "kflr", 2, "output GGN, E[xxᵀ]", kron_check("kflr")),
     ExtensionCheck("KFRA", "kfra", 2, "recursion, E[xxᵀ]", kron_check("kfra")),

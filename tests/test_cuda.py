@@ -23,6 +23,7 @@ from backpack.extensions import (
     BatchDiagGGNExact,
     BatchDotGrad,
     BatchGrad,
+    BatchJacobian,
     BatchL2Grad,
     DiagGGNExact,
     DiagHessian,
@@ -40,7 +41,7 @@ pytestmark = pytest.mark.skipif(
 #: out: CUDA and the CPU draw different random numbers)
 GROUPS = {
     "first": [BatchGrad, BatchL2Grad, SumGradSquared, Variance, BatchDotGrad],
-    "second": [DiagGGNExact, BatchDiagGGNExact, SqrtGGNExact],
+    "second": [DiagGGNExact, BatchDiagGGNExact, SqrtGGNExact, BatchJacobian],
     "kron": [KFLR],
     "hessian": [DiagHessian],
 }

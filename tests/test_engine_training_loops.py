@@ -25,6 +25,7 @@ from backpack.extensions import (
     BatchDiagHessian,
     BatchDotGrad,
     BatchGrad,
+    BatchJacobian,
     BatchL2Grad,
     DiagGGNExact,
     DiagGGNMC,
@@ -48,6 +49,7 @@ ALL = [
     BatchDiagGGNMC,
     SqrtGGNExact,
     SqrtGGNMC,
+    BatchJacobian,
     KFAC,
     KFLR,
     KFRA,
@@ -188,6 +190,8 @@ def test_empty_batch(extension):
             assert value.shape == (0, 0)
         elif extension in (SqrtGGNExact, SqrtGGNMC):
             assert value.shape[1:] == (0, *p.shape)
+        elif extension is BatchJacobian:
+            assert value.shape == (0, 3, *p.shape)
         else:
             assert value.shape == p.shape and value.abs().max() == 0
 

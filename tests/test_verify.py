@@ -20,7 +20,14 @@ DTYPE = torch.float64
 
 TAG_EXTENSIONS = {
     "first": ["first"],
-    "second": ["DiagGGNExact", "BatchDiagGGNExact", "SqrtGGNExact", "GGNMP", "DiagGGNMC"],
+    "second": [
+        "DiagGGNExact",
+        "BatchDiagGGNExact",
+        "SqrtGGNExact",
+        "GGNMP",
+        "DiagGGNMC",
+        "BatchJacobian",
+    ],
     "hessian": ["DiagHessian", "BatchDiagHessian", "HMP", "PCHMP"],
     "kron": ["KFAC", "KFLR", "KFRA"],
 }

@@ -27,6 +27,7 @@ from backpack.extensions import (
     BatchDiagHessian,
     BatchDotGrad,
     BatchGrad,
+    BatchJacobian,
     BatchL2Grad,
     DiagGGNExact,
     DiagGGNMC,
@@ -300,6 +301,8 @@ def kind_of(extension: BackpropExtension) -> Kind:
         return Rows(field, power=2.0)
     if isinstance(extension, (SqrtGGNExact, SqrtGGNMC)):
         return Rows(field, power=0.5, dim=1)
+    if isinstance(extension, BatchJacobian):  # output Jacobians carry no reduction factor
+        return Rows(field, power=0.0)
     raise NotImplementedError(
         f"accumulate does not know how {type(extension).__name__} ({field}) combines over batches."
     )
