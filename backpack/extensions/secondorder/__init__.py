@@ -167,6 +167,8 @@ class BatchJacobian(SecondOrderBackpropExtension):
     losses were called). A token loss on flattened logits (`[N·T, C]` rows) gets columns
     (t, c), t being a row's position within its sample.
 
+    The stored tensor is a transposed view of column-major storage (not contiguous).
+
     Args:
         subsampling: Indices of the samples to keep (rows of the result).
     """
@@ -178,8 +180,12 @@ class BatchJacobian(SecondOrderBackpropExtension):
         super().__init__("jac_batch", subsampling=subsampling)
 
     def stored(self, value: Any) -> Any:
-        """`[N, V, *param.shape]` from the engine's column-major `[V, N, *param.shape]`."""
-        return value.transpose(0, 1).contiguous()
+        """`[N, V, *param.shape]`: the engine's `[V, N, *param.shape]`, transposed as a view.
+
+        No copy (a copy of every Jacobian costs as much as writing it): the result is not
+        contiguous; `.reshape` works, `.view` may need `.contiguous()` first.
+        """
+        return value.transpose(0, 1)
 
     def __repr__(self) -> str:
         return f"{self.__class__.__name__}()"
