@@ -447,6 +447,7 @@ SECOND_ORDER = (
     "BatchDiagGGNMC",
     "SqrtGGNExact",
     "SqrtGGNMC",
+    "BatchJacobian",
     "KFAC",
     "KFLR",
     "KFRA",
