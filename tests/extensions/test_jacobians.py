@@ -237,3 +237,17 @@ def test_too_many_columns_refused_clearly(monkeypatch):
 def test_repr_and_savefield():
     assert repr(BatchJacobian()) == "BatchJacobian()"
     assert BatchJacobian().savefield == "jac_batch"
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_accumulate_concatenates_the_batches_rows(reduction):
+    from backpack.curvature import accumulate
+
+    torch.manual_seed(0)
+    model = mlp()
+    xs = [torch.randn(n, 4, dtype=DTYPE, device=DEVICE) for n in (3, 5)]
+    batches = [(x, torch.randint(0, 3, (x.shape[0],), device=DEVICE)) for x in xs]
+    _, expected = brute_force(model, torch.cat(xs))
+    accumulate(model, nn.CrossEntropyLoss(reduction=reduction), batches, BatchJacobian())
+    for name, p in model.named_parameters():
+        close(p.jac_batch, expected[name], name)
