@@ -324,6 +324,8 @@ def on_loss_backward(
     The weight w with which the loss enters the backward (the gradient reaching its output:
     `0.3 * l1 + l2` gives 0.3) scales its curvature: factors carry sqrt(|w|) and the sign of w.
     Each loss of a backward adds its own term (columns) to every module call it reaches.
+    Jacobians (`BatchJacobian`) start from unit columns instead, whatever the loss and its
+    weight: the loss only marks the model output.
     """
     exts = state.second_order
     module = record.module
@@ -350,7 +352,7 @@ def on_loss_backward(
     weight = abs(scale_value)
     state.loss_seen = True
     out_edge = record.input_edges[0] if record.input_edges else None
-    if out_edge is None or not math.isfinite(scale_value):
+    if out_edge is None or (curvature and not math.isfinite(scale_value)):
         return None
     if _needs_residual(exts):
         # KFRA needs no such check: its recursion only uses Jacobians (see backpack.kfra)

@@ -150,6 +150,9 @@ def test_jacobians_refusals():
             backpack.jacobians(model.requires_grad_(False), x)
     with pytest.raises(TypeError, match="returning a tensor"):
         backpack.jacobians(Pair(), x)
+    train_bn = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)).to(DTYPE).to(DEVICE)
+    with pytest.raises(NotImplementedError, match="BatchJacobian"):
+        backpack.jacobians(train_bn, x)
 
 
 class Pair(nn.Module):
