@@ -26,9 +26,9 @@ def test_tiny_run_writes_a_complete_table(tmp_path, capsys):
     assert [r.split("|")[1].strip() for r in rows] == list(J.MODELS)
     for row in rows:
         cells = [c.strip() for c in row.strip().strip("|").split("|")]
-        assert len(cells) == 8
-        assert all(c.endswith(" ms") for c in cells[3:6])
-        assert float(cells[6]) > 0 and cells[7] in ("✓", "✗")
+        assert len(cells) == 9
+        assert all(c.endswith(" ms") for c in cells[3:7])
+        assert float(cells[7]) > 0 and cells[8] in ("✓", "✗")
 
 
 def test_both_ways_give_the_same_jacobians():
