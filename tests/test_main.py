@@ -89,7 +89,7 @@ def test_tour_selects_extensions_and_checks_in_float64():
     assert code == 0, text
     errors = [_number(ln.split()[-2]) for ln in _rows(text, "cnn").values() if "n/a" not in ln]
     errors = [e for e in errors if e is not None]
-    assert len(errors) == 10 and max(errors) < 1e-9  # 14, less 3 MC-only rows and KFRA (n/a)
+    assert len(errors) == 11 and max(errors) < 1e-9  # 15, less 3 MC-only rows and KFRA (n/a)
 
 
 def _number(token):
@@ -104,7 +104,7 @@ def test_select_extensions():
         "BatchGrad",
         "Variance",
     ]
-    assert len(tour.select_extensions("all")) == len(tour.EXTENSIONS) == 19
+    assert len(tour.select_extensions("all")) == len(tour.EXTENSIONS) == 20
     assert {e.order for e in tour.select_extensions("second")} == {2}
     with pytest.raises(ValueError, match="unknown extension 'nope'"):
         tour.select_extensions("first,nope")

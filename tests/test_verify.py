@@ -87,15 +87,16 @@ def test_verify_all_extensions_on_an_mlp_and_the_table():
     assert report.ok, str(report)
     assert report.samples == 8
     statuses = {row.extension: row.status for row in report.rows}
-    assert len(statuses) == 19
+    assert len(statuses) == 20
     assert statuses["DiagGGNMC"] == statuses["SqrtGGNMC"] == "MC"
+    assert statuses["BatchJacobian"] == "ok"
     assert statuses["KFLR"] == statuses["DiagHessian"] == statuses["PCHMP"] == "ok"
     text = str(report)
     assert text.splitlines()[1].split()[:4] == ["extension", "attribute", "status", "rel"]
-    assert "OK: all 16 checked quantities match float64 autograd (3 Monte-Carlo)" in text
+    assert "OK: all 17 checked quantities match float64 autograd (3 Monte-Carlo)" in text
     # an unextended loss module is recognised: nothing to warn about
     assert "not extended" not in text and not report.notes and not report.causes
-    assert report.complete and text.splitlines()[-1].startswith("OK: all 16")
+    assert report.complete and text.splitlines()[-1].startswith("OK: all 17")
 
 
 def test_verify_fails_on_a_broken_rule(monkeypatch):
