@@ -36,6 +36,7 @@ from backpack.extensions import (
     BatchDiagHessian,
     BatchDotGrad,
     BatchGrad,
+    BatchJacobian,
     BatchL2Grad,
     DiagGGNExact,
     DiagGGNMC,
@@ -56,6 +57,7 @@ ROWS = {
     "diag_h_batch": 0,
     "sqrt_ggn_exact": 1,
     "sqrt_ggn_mc": 1,
+    "jac_batch": 0,
 }
 GLOBAL = ["sum_grad_squared", "variance", "diag_ggn_exact", "diag_ggn_mc", "diag_h"]
 KRON = ["kflr", "kfac"]
@@ -79,6 +81,7 @@ def exact_extensions() -> list:
         DiagGGNExact(),
         BatchDiagGGNExact(),
         SqrtGGNExact(),
+        BatchJacobian(),
         DiagHessian(),
         BatchDiagHessian(),
         KFLR(),
