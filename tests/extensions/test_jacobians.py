@@ -12,6 +12,16 @@ from backpack import backpack as backpack_context
 from backpack import extend
 from backpack.extensions import BatchGrad, BatchJacobian, SqrtGGNExact
 
+#: expected warnings: problems of the table whose layers have no rule use the torch.func
+#: fallback (it warns once per layer class), and torch's vmap notices missing batching rules
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:backpack has no dedicated rule for:UserWarning"),
+    pytest.mark.filterwarnings(
+        "ignore:There is a performance drop because we have not yet implemented the batching "
+        "rule:UserWarning"
+    ),
+]
+
 DTYPE = torch.float64
 SECOND = problems_with("second")
 
