@@ -33,9 +33,8 @@ from backpack.extensions import (
 )
 
 CHECKED = torch.device(os.environ.get("BACKPACK_CUDA_CHECK_DEVICE", "cuda"))
-pytestmark = pytest.mark.skipif(
-    CHECKED.type == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device"
-)
+if CHECKED.type == "cuda" and not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
 
 #: extension groups run in one backward each, by problem tag (Monte-Carlo extensions are left
 #: out: CUDA and the CPU draw different random numbers)
