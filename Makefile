@@ -62,3 +62,18 @@ $(DOCS_STAMP): $(STAMP) requirements-docs.txt
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --site-dir site
 # --- end docs ---------------------------------------------------------------------------------
+
+# --- install-bench (benchmarks/requirements-bench.txt: peers for the comparisons) -----------
+BENCH_VENV := .venv-bench
+BENCH_BIN := $(BENCH_VENV)/bin
+
+install-bench:
+	test -x $(BENCH_BIN)/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_BIN)/python -m pip install -q --upgrade pip setuptools wheel
+	$(BENCH_BIN)/python -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(BENCH_BIN)/python -m pip install -q -r benchmarks/requirements-bench.txt
+	# curvlinops depends on the original BackPACK, whose `backpack` would shadow this package
+	-$(BENCH_BIN)/python -m pip uninstall -q -y backpack-for-pytorch
+	$(BENCH_BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+.PHONY: install-bench
+# --- end install-bench ------------------------------------------------------------------------
