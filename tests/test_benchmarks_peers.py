@@ -1,0 +1,42 @@
+"""The peer comparisons (benchmarks/influence_vs_kronfluence.py, curvature_vs_peers.py).
+
+The peers live in the benchmark environment only (`make install-bench`): without them the
+scripts print a note and exit 0; their own problems build without the peers.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import curvature_vs_peers as CV  # noqa: E402
+from benchmarks import influence_vs_kronfluence as IK  # noqa: E402
+
+
+@pytest.mark.parametrize("module", [IK, CV], ids=["influence", "curvature"])
+def test_skips_cleanly_without_peers(module, capsys):
+    if module.peers_available():
+        pytest.skip("the peers are installed (benchmark environment): run the script itself")
+    assert module.main(["--tiny"]) == 0
+    assert "make install-bench" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt"])
+def test_influence_problems_build_deterministically(name):
+    a, b = IK.build(name, 6, 2), IK.build(name, 6, 2)
+    for x, y in zip(a[1:], b[1:]):
+        assert torch.equal(x, y)
+    out = a[0](a[1])
+    assert out.dtype == torch.float64 and out.shape[0] == 6
+
+
+def test_kfac_positions():
+    model, X, *_ = IK.build("cnn", 2, 1)
+    assert [IK.positions(model, model[i], X) for i in (0, 2, 5)] == [196, 36, 1]
+    model, X, *_ = IK.build("gpt", 2, 1)
+    assert IK.positions(model, model.q, X) == X.shape[1]
