@@ -273,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         "Ours: `eigvalsh(Hessian(...), k=1, tol=1e-10)` (Lanczos), `hutchinson_trace(..., 100)`; "
         "PyHessian: `eigenvalues(maxIter=300, tol=1e-7)` (power iteration), `trace(maxIter=100, "
         "tol=-inf)` (its stopping rule divides by the running mean, so with a negative mean and "
-        "tol=0 it stops at once). In brackets: relative error to the dense matrix. Time ratio ours / PyHessian.",
+        "tol=0 it stops at once). In brackets: relative error to the dense matrix. Time ratio "
+        "ours / PyHessian.",
         "",
         "| model | quantity | ours | PyHessian | time ratio |",
         "|---|---|---|---|---|",
