@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -831,3 +832,18 @@ __all__ = [
     "compare",
     "plain_copy",
 ]
+
+
+def first_sentence(message: Any) -> str:
+    """The message's first sentence, followed by its advice (a later clause "use ...") if any."""
+    text = " ".join(str(message).split())
+    first = text
+    for stop in (". ", "; "):
+        if stop in first:
+            first = first.split(stop)[0]
+    first = first.rstrip(".")
+    advice = re.search(r"(?:^|[.;] )([Uu]se [^.;]*)", text[len(first) :])
+    if advice is None:
+        return first
+    what = advice.group(1)
+    return f"{first}; {what[0].lower()}{what[1:]}"

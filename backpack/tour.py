@@ -27,7 +27,6 @@ import argparse
 import copy
 import math
 import os
-import re
 import statistics
 import sys
 import textwrap
@@ -62,6 +61,7 @@ from backpack.reference import (  # noqa: F401 (re-exported: the tour's referenc
     Unchecked,
     compare,
 )
+from backpack.reference import first_sentence as _first_sentence
 from backpack.utils.examples import load_one_batch_mnist
 
 # ------------------------------------------------------------------------------------------------
@@ -290,21 +290,6 @@ def _clear(model: nn.Module, savefields: Sequence[str]) -> None:
         for savefield in savefields:
             if hasattr(param, savefield):
                 delattr(param, savefield)
-
-
-def _first_sentence(message: str) -> str:
-    """The message's first sentence, followed by its advice (a later clause "use ...") if any."""
-    text = " ".join(message.split())
-    first = text
-    for stop in (". ", "; "):
-        if stop in first:
-            first = first.split(stop)[0]
-    first = first.rstrip(".")
-    advice = re.search(r"(?:^|[.;] )([Uu]se [^.;]*)", text[len(first) :])
-    if advice is None:
-        return first
-    what = advice.group(1)
-    return f"{first}; {what[0].lower()}{what[1:]}"
 
 
 def _describe(value: Any, sym: dict[str, str]) -> str:

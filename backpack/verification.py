@@ -20,7 +20,6 @@ import contextlib
 import copy
 import importlib
 import importlib.util
-import re
 import sys
 import textwrap
 import warnings
@@ -38,6 +37,7 @@ from backpack.api import backpack, extend
 from backpack.extensions.backprop_extension import BackpropExtension
 from backpack.reference import CHECKS, RTOL, ExtensionCheck, Pair, Reference, ShapeError, Unchecked
 from backpack.reference import compare as _compare
+from backpack.reference import first_sentence as _first_sentence
 from backpack.rules import find_rule
 
 _BY_NAME = {c.name.lower(): c for c in CHECKS}
@@ -324,21 +324,6 @@ def _function_loss_cause(lossfunc: Any, rows: list[VerifyRow]) -> str | None:
 
 # ------------------------------------------------------------------------------------------------
 # Running
-
-
-def _first_sentence(message: Any) -> str:
-    """The message's first sentence, followed by its advice (a later clause "use ...") if any."""
-    text = " ".join(str(message).split())
-    first = text
-    for stop in (". ", "; "):
-        if stop in first:
-            first = first.split(stop)[0]
-    first = first.rstrip(".")
-    advice = re.search(r"(?:^|[.;] )([Uu]se [^.;]*)", text[len(first) :])
-    if advice is None:
-        return first
-    what = advice.group(1)
-    return f"{first}; {what[0].lower()}{what[1:]}"
 
 
 @contextlib.contextmanager

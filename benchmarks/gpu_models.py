@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 from torchvision.models.resnet import BasicBlock
 
-from benchmarks.run import SAVEFIELDS, _opacus_step, _timed, peak_extra_bytes
+from benchmarks.run import _clear, _opacus_step, _timed, peak_extra_bytes
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -92,14 +92,6 @@ def gpt2(tiny: bool, device: torch.device) -> tuple[nn.Module, Tensor, Tensor]:
 
 
 MODELS = {"resnet18": resnet18, "gpt2": gpt2}
-
-
-def _clear(model: nn.Module) -> None:
-    for p in model.parameters():
-        p.grad = None
-        for field in SAVEFIELDS:
-            if field in p.__dict__:
-                delattr(p, field)
 
 
 #: the baseline a row is measured against (default "plain")

@@ -417,17 +417,7 @@ class Conv1DRule(LinearRule):
         return super().grad_sum_entries(record, grad_outputs, name, index)
 
     def sqrt_factor(self, record, factors, names, subsampling=None):  # noqa: D102
-        x = _flat_input(record)
-        f = self._flat_factor(record, factors)
-        if subsampling is not None:
-            index = torch.as_tensor(subsampling, device=x.device)
-            x, f = x[index], f[:, index]
-        result = {}
-        if "weight" in names:
-            result["weight"] = torch.einsum("nti,vnto->vnio", x, f)
-        if "bias" in names:
-            result["bias"] = f.sum(2)
-        return result
+        return _transposed(super().sqrt_factor(record, factors, names, subsampling))
 
     def diag_from_factor(self, record, factors, names, coef, per_sample):  # noqa: D102
         if _flat_input(record).shape[1] != 1 and "weight" in names:
