@@ -349,3 +349,31 @@ def test_model_owned_parameters_meet_the_samples_without_torch_func(recwarn):
         torch.testing.assert_close(p.variance, reference[name].var(0, unbiased=False), msg=name)
         torch.testing.assert_close(p.grad, reference[name].sum(0), msg=name)
     assert not [w for w in recwarn if "no dedicated rule" in str(w.message)]
+
+
+@pytest.mark.parametrize("setting", ["bf16 weights", "autocast"])
+def test_model_owned_parameters_in_mixed_precision_are_float32_and_close(setting):
+    """Site shares of a bf16 model (or under bf16 autocast) are stored in float32, like every
+    rule's, within bfloat16's error of the float64 per-sample gradients."""
+    from problems import reference_per_sample_grads
+    from problems.containers import TokensWithClassToken
+
+    torch.manual_seed(0)
+    exact = TokensWithClassToken().double()
+    x, y = torch.randn(4, 5, 3, dtype=torch.float64), torch.randint(0, 3, (4,))
+    reference = reference_per_sample_grads(exact, x, nn.CrossEntropyLoss(), y)
+    model = extend(TokensWithClassToken())
+    model.load_state_dict(exact.state_dict())
+    xs = x.float()
+    if setting == "bf16 weights":
+        model, xs = model.bfloat16(), x.bfloat16()
+    lossfunc = extend(nn.CrossEntropyLoss())
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=setting == "autocast"):
+        loss = lossfunc(model(xs), y)
+    with backpack(BatchGrad()):
+        loss.backward()
+    for name in ("cls_token", "pos_embed"):
+        value = getattr(model, name).grad_batch
+        assert value.dtype == torch.float32, name
+        error = (value.double() - reference[name]).norm() / reference[name].norm()
+        assert error < 0.05, (name, float(error))

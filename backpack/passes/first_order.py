@@ -25,7 +25,13 @@ from backpack.passes.state import (
     normalises_with_batch,
 )
 from backpack.passes.views import place
-from backpack.recording import Record, describe, is_parametrized, trainable_params
+from backpack.recording import (
+    Record,
+    describe,
+    is_parametrized,
+    promote_half,
+    trainable_params,
+)
 from backpack.rules import find_rule
 from backpack.rules.base import ModuleRule, overridden_base
 from backpack.rules.generic import FuncRule
@@ -456,7 +462,7 @@ def finish_param_sites(state: BackwardState) -> None:
                     "gradient (it is also used elsewhere). Compute it inside a submodule, or "
                     "report the model to backpack."
                 )
-            psg[name] = shares
+            psg[name] = promote_half(shares)  # as rules do: 16-bit quantities in float32
         if not psg:
             continue
         names = list(psg)
