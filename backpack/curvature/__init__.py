@@ -7,9 +7,9 @@
   (KFAC's eigenbasis with eigenvalues refitted to the curvature).
 - Estimators on any symmetric operator: `eigvalsh`, `hutchinson_trace`, `hutchinson_diagonal`,
   `hutchpp_trace`.
-- `xtrace`, `xdiag` (exchangeable trace and diagonal estimators), `spectral_density` and
-  `lanczos_quadrature` (stochastic Lanczos quadrature), `op.inverse(damping)` of the exact
-  operators (`CGInverse`, batched conjugate gradients).
+- `xtrace`, `xdiag` (exchangeable trace and diagonal estimators); `spectral_density`,
+  `lanczos_quadrature` and `slq_logdet` (stochastic Lanczos quadrature); `op.inverse(damping)`
+  of the exact operators (`CGInverse`, batched conjugate gradients).
 
 This is the data-set layer: it is built only on `extend` and `backpack(...)`.
 """
@@ -27,7 +27,7 @@ from backpack.curvature.estimators import (
 )
 from backpack.curvature.kfac import KFAC, KFACInverse
 from backpack.curvature.operators import GGN, CGInverse, CurvatureOperator, EmpiricalFisher, Hessian
-from backpack.curvature.spectral import lanczos_quadrature, spectral_density
+from backpack.curvature.spectral import lanczos_quadrature, slq_logdet, spectral_density
 
 __all__ = [
     "accumulate",
@@ -51,4 +51,5 @@ __all__ = [
     "conjugate_gradients",
     "lanczos_quadrature",
     "spectral_density",
+    "slq_logdet",
 ]

@@ -17,6 +17,7 @@ from backpack.curvature import (
     hutchinson_trace,
     hutchpp_trace,
     lanczos_quadrature,
+    slq_logdet,
     spectral_density,
     xdiag,
     xtrace,
@@ -317,3 +318,42 @@ def test_progress_and_data_errors_reach_the_solvers():
     batches[1] = (batches[1][0][:, :3], batches[1][1])
     with pytest.raises(ValueError, match="Batch 1 has non-batch shapes"):
         spectral_density(GGN(model, lossfunc, batches), 2, 3)
+
+
+def test_slq_logdet_is_probe_wise_exact_with_full_lanczos():
+    """With m = P each probe's quadrature is vᵀ log(A + λI) v / ‖v‖² exactly."""
+    A, values = spectrum_matrix()
+    A, values = A @ A, values.square()  # positive semi-definite
+    damping, L = 0.3, 5
+    estimate = slq_logdet(A, damping, num_probes=L, num_steps=30, seed=3)
+    V = _random(30, L, 3, "rademacher", torch.float64, "cpu")
+    V = V / V.norm(dim=0)
+    evals, evecs = torch.linalg.eigh(A + damping * torch.eye(30, dtype=torch.float64))
+    log_matrix = evecs @ torch.diag(evals.log()) @ evecs.T
+    expected = 30 * (V * (log_matrix @ V)).sum(0).mean()
+    torch.testing.assert_close(estimate, expected, atol=1e-10, rtol=0)
+
+
+def test_slq_logdet_is_exact_for_a_diagonal_matrix_and_rademacher_probes():
+    values = torch.linspace(0.1, 4.0, 12, dtype=torch.float64)
+    estimate = slq_logdet(torch.diag(values), 0.5, num_probes=2, num_steps=12)
+    torch.testing.assert_close(estimate, (values + 0.5).log().sum(), atol=1e-10, rtol=0)
+
+
+def test_slq_logdet_of_a_ggn_operator_estimates_the_dense_logdet():
+    problem = PROBLEMS["mlp_ce"]
+    ggn = GGN(problem.model(), problem.make_loss("mean"), problem.batches(SIZES))
+    dense = ggn.to_dense()
+    size = dense.shape[0]
+    exact = torch.linalg.slogdet(dense + 0.1 * torch.eye(size, dtype=dense.dtype))[1]
+    estimate = slq_logdet(ggn, 0.1, num_probes=64, num_steps=20, seed=0)
+    assert estimate.dtype == dense.dtype and estimate.shape == ()
+    assert (estimate - exact).abs() < 0.05 * exact.abs()
+
+
+def test_slq_logdet_refuses_an_indefinite_matrix_and_bad_damping():
+    A, _ = spectrum_matrix()  # has negative eigenvalues
+    with pytest.raises(ValueError, match="not positive definite"):
+        slq_logdet(A, 0.0, num_probes=2, num_steps=30)
+    with pytest.raises(ValueError, match="damping"):
+        slq_logdet(A @ A, -1.0)
