@@ -9,6 +9,7 @@ runs that pass without any loss: a stand-in loss (`OutputSeed`) marks where the 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -78,22 +79,47 @@ def jacobians(
         )
     saved = [p.grad for _, p in params]
     ext = BatchJacobian(subsampling=subsampling)
+    rows = out.shape[0] if subsampling is None else len(subsampling)
+    columns = math.prod(out.shape[1:])
+    sizes = [p.numel() for _, p in params]
+    flat = None
+    if flatten:
+        # one buffer `[rows, V, P]`; each parameter's `[V, rows, *shape]` result is written
+        # into its slice (in place where the rule can: a Jacobian as large as the model times
+        # the outputs is then written once, not once per parameter and again by a `cat`)
+        dtype = torch.float32 if out.dtype in (torch.float16, torch.bfloat16) else out.dtype
+        flat = out.new_empty(rows, columns, sum(sizes), dtype=dtype)
+        for (_, p), piece in zip(params, flat.split(sizes, dim=-1)):
+            ext.destinations[id(p)] = piece.transpose(0, 1).view(columns, rows, *p.shape)
     try:
         with backpack(ext):
             seed(out).backward()
         values = [p.__dict__.pop(ext.savefield, None) for _, p in params]
     finally:
+        ext.destinations.clear()
         for (_, p), grad in zip(params, saved):
             p.grad = grad
             p.__dict__.pop(ext.savefield, None)
-    rows = out.shape[0] if subsampling is None else len(subsampling)
+    out = out.detach()
+    if flat is not None:
+        for value, piece in zip(values, flat.split(sizes, dim=-1)):
+            if value is None:
+                piece.zero_()
+            elif not _same_memory(value, piece):
+                piece.copy_(value.reshape(rows, columns, -1))
+        return out, flat.reshape(rows, *out.shape[1:], -1)
     jac = {}
     for (name, p), value in zip(params, values):
         if value is None:
             value = out.new_zeros(rows, *out.shape[1:], *p.shape, dtype=p.dtype)
         jac[name] = value.reshape(rows, *out.shape[1:], *p.shape)
-    out = out.detach()
-    if not flatten:
-        return out, jac
-    flat = [j.reshape(rows, *out.shape[1:], -1) for j in jac.values()]
-    return out, torch.cat(flat, -1)
+    return out, jac
+
+
+def _same_memory(value: Tensor, piece: Tensor) -> bool:
+    """Whether `value` (`[rows, V, *shape]`) is `piece` (`[rows, V, numel]`) already."""
+    return (
+        value.data_ptr() == piece.data_ptr()
+        and value.dtype == piece.dtype
+        and value.reshape(piece.shape).stride() == piece.stride()
+    )

@@ -9,8 +9,9 @@
 - "plain": one forward and backward of `out.sum()` without backpack, for scale;
 - "floor": "plain" plus writing a fresh `[N, C, P]` tensor once, what any method returning `J`
   must at least do,
-on a small MLP and a small CNN (float32, CPU). The two results are checked to agree. Variants
-are interleaved round by round (the best of `--reps` runs each) and each round's ratio
+on the tour's MLP and CNN (`python -m backpack`; float32, CPU, N = 64). The two results are
+checked to agree. Variants are interleaved round by round (the best of `--reps` runs each)
+and each round's ratio
 one backward / C passes is kept, so that noise from other processes affects both alike; the
 table reports the median over rounds against the target ratio 2/C. Not part of
 `benchmarks.run`.
@@ -29,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 import backpack as bp
-from backpack import backpack, extend
+from backpack import backpack, extend, tour
 from backpack.extensions import BatchGrad
 
 #: number of outputs (classes)
@@ -37,29 +38,14 @@ C = 10
 
 
 def mlp(tiny: bool) -> tuple[nn.Module, Tensor]:
-    """256-128-64-10 MLP with ReLU on N=32 (tiny: 12-8-8-10 on N=3)."""
-    d, h1, h2, n = (12, 8, 8, 3) if tiny else (256, 128, 64, 32)
-    model = nn.Sequential(
-        nn.Linear(d, h1), nn.ReLU(), nn.Linear(h1, h2), nn.ReLU(), nn.Linear(h2, C)
-    )
-    return model, torch.randn(n, d)
+    """The tour's MLP (Flatten, 784-64-10 with ReLU) on N=64 digit-shaped inputs (tiny: N=3)."""
+    return tour.mlp(), torch.randn(3 if tiny else 64, 1, 28, 28)
 
 
 def cnn(tiny: bool) -> tuple[nn.Module, Tensor]:
-    """Two conv-ReLU-maxpool stages (16, 32 channels) and a linear layer on N=32 3x32x32 inputs
-    (tiny: 2, 3 channels on N=2 3x8x8 inputs)."""
-    c1, c2, side, n = (2, 3, 8, 2) if tiny else (16, 32, 32, 32)
-    model = nn.Sequential(
-        nn.Conv2d(3, c1, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(c1, c2, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Flatten(),
-        nn.Linear(c2 * (side // 4) ** 2, C),
-    )
-    return model, torch.randn(n, 3, side, side)
+    """The tour's CNN (Conv2d 1->8, ReLU, MaxPool2d, Linear 1352->10) on N=64 digit-shaped
+    inputs (tiny: N=3)."""
+    return tour.cnn(), torch.randn(3 if tiny else 64, 1, 28, 28)
 
 
 MODELS: dict[str, Callable[[bool], tuple[nn.Module, Tensor]]] = {"mlp": mlp, "cnn": cnn}

@@ -292,6 +292,10 @@ def _second_order_values(
         _check_signs(state, ext, record)
         terms = secondorder.terms_for(record, ext)
         if _simple_sqrt(state, ext, record, placement):
+            into = getattr(ext, "destinations", None)
+            if into:
+                out = {n: into.get(id(get_param(module, n))) for n in names}
+                return rule.sqrt_factor_into(record, terms[0][1], names, ext.get_subsampling(), out)
             return rule.sqrt_factor(record, terms[0][1], names, ext.get_subsampling())
         # several losses or sets of samples: the pieces are assembled when the pass ends
         rows = rule.batch_size(record) if placement is None else placement[1]

@@ -176,6 +176,28 @@ class ModuleRule:
             per_column = [one_column(*cols) for cols in zip(*filled)]
             return {n: torch.stack([c[n] for c in per_column]) for n in names}
 
+    def sqrt_factor_into(
+        self,
+        record: Record,
+        factors: Sequence[Tensor | None],
+        names: Names,
+        subsampling: Sequence[int] | None,
+        out: dict[str, Tensor],
+    ) -> dict[str, Tensor]:
+        """`sqrt_factor`, written into the given `[V, N, *param.shape]` tensors where possible.
+
+        Used for results that end up in one preallocated buffer (`backpack.jacobians` with
+        `flatten=True`): a rule that can write its result in place saves a second write of it.
+        By default the result is computed and copied (a parameter whose result has another
+        shape keeps it).
+        """
+        values = self.sqrt_factor(record, factors, names, subsampling)
+        for name, value in values.items():
+            dest = out.get(name)
+            if dest is not None and dest.shape == value.shape and dest.dtype == value.dtype:
+                values[name] = dest.copy_(value)
+        return values
+
     def diag_from_factor(
         self,
         record: Record,

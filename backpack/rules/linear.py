@@ -218,6 +218,27 @@ class LinearRule(ModuleRule):
             result["bias"] = f.sum(2)
         return result
 
+    def sqrt_factor_into(self, record, factors, names, subsampling, out):  # noqa: D102
+        x = _flat_input(record)
+        if x.shape[1] != 1 or subsampling is not None:
+            return super().sqrt_factor_into(record, factors, names, subsampling, out)
+        f = self._flat_factor(record, factors)
+        shape = (f.shape[0], f.shape[1])
+        result = {}
+        if "weight" in names:
+            # the per-sample outer products written once, straight into their destination
+            dest = out.get("weight")
+            wanted = (*shape, f.shape[-1], x.shape[-1])
+            if dest is not None and (dest.shape != wanted or dest.dtype != torch.result_type(f, x)):
+                dest = None
+            result["weight"] = torch.mul(f[:, :, 0, :, None], x[None, :, 0, None, :], out=dest)
+        if "bias" in names:
+            dest = out.get("bias")
+            if dest is not None and (dest.shape != (*shape, f.shape[-1]) or dest.dtype != f.dtype):
+                dest = None
+            result["bias"] = torch.sum(f, 2, out=dest)
+        return result
+
     def diag_from_factor(self, record, factors, names, coef, per_sample):  # noqa: D102
         x = _flat_input(record)
         f = self._flat_factor(record, factors)
@@ -418,6 +439,16 @@ class Conv1DRule(LinearRule):
 
     def sqrt_factor(self, record, factors, names, subsampling=None):  # noqa: D102
         return _transposed(super().sqrt_factor(record, factors, names, subsampling))
+
+    def sqrt_factor_into(self, record, factors, names, subsampling, out):  # noqa: D102
+        if _flat_input(record).shape[1] != 1 or subsampling is not None:
+            # computed in the stored layout, then copied
+            return ModuleRule.sqrt_factor_into(self, record, factors, names, subsampling, out)
+        # Linear's in-place products, written into the destinations' `[out, in]` transposes
+        swapped = {
+            k: v.transpose(-1, -2) if k == "weight" and v is not None else v for k, v in out.items()
+        }
+        return _transposed(super().sqrt_factor_into(record, factors, names, subsampling, swapped))
 
     def diag_from_factor(self, record, factors, names, coef, per_sample):  # noqa: D102
         if _flat_input(record).shape[1] != 1 and "weight" in names:

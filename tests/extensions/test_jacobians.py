@@ -102,6 +102,22 @@ def test_jacobians_equal_one_batch_grad_pass_per_output(problem_id):
         close(jac[name].reshape(out.shape[0], -1, *p.shape), expected[name], name)
 
 
+@pytest.mark.parametrize("problem", SECOND, ids=[p.id for p in SECOND])
+def test_flat_jacobians_on_problem_table(problem):
+    """`flatten=True` fills one buffer, in place where a rule can: same numbers as brute force,
+    also for a subsample (where rules fall back to a copy)."""
+    model, x, _, _ = problem.build()
+    out, expected = brute_force(model, x)
+    flat_expected = torch.cat([e.flatten(2) for e in expected.values()], -1)
+    _, flat = backpack.jacobians(model, x, flatten=True)
+    assert flat.shape == (out.shape[0], *out.shape[1:], flat_expected.shape[-1])
+    assert flat.is_contiguous()
+    close(flat.reshape(flat_expected.shape), flat_expected)
+    rows = [out.shape[0] - 1, 0]
+    _, sub = backpack.jacobians(model, x, flatten=True, subsampling=rows)
+    close(sub.reshape(len(rows), *flat_expected.shape[1:]), flat_expected[rows])
+
+
 def mlp():
     return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(DTYPE).to(DEVICE)
 

@@ -13,6 +13,8 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from torch import Tensor
+
 from backpack.extensions.backprop_extension import BackpropExtension
 
 _PRELOADED: set[str] = set()
@@ -178,6 +180,9 @@ class BatchJacobian(SecondOrderBackpropExtension):
 
     def __init__(self, subsampling: Sequence[int] | None = None) -> None:
         super().__init__("jac_batch", subsampling=subsampling)
+        #: parameter id -> `[V, N, *param.shape]` view where its result is to be written
+        #: (set by `backpack.jacobians(flatten=True)`: slices of one flat buffer)
+        self.destinations: dict[int, Tensor] = {}
 
     def stored(self, value: Any) -> Any:
         """`[N, V, *param.shape]`: the engine's `[V, N, *param.shape]`, transposed as a view.
