@@ -11,7 +11,10 @@ factor `B` (biases, parameters without a Kronecker rule) use `B`'s eigenbasis th
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -19,8 +22,10 @@ from torch import Tensor, nn
 
 from backpack.curvature._data import Normaliser, needs_reiterable, reduction_of, trainable
 from backpack.curvature._rows import row_batches
+from backpack.curvature.accumulate import accumulate
 from backpack.curvature.kfac import KFAC
 from backpack.curvature.operators import CurvatureOperator
+from backpack.extensions import DiagGGNExact, DiagGGNMC, SumGradSquared
 
 __all__ = ["EKFAC", "EKFACInverse", "EigenBlock"]
 
@@ -181,6 +186,158 @@ def _per_block(damping: float | Mapping[str, float], names: list[str]) -> dict[s
     return values
 
 
+def _rotatable(
+    model: nn.Module, blocks: list[EigenBlock]
+) -> dict[str, tuple[nn.Linear, EigenBlock]]:
+    """Blocks of `nn.Linear` weights (called as modules, not tied) in a Kronecker eigenbasis."""
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules())
+    found = {}
+    for block in blocks:
+        owner, _, attr = block.name.rpartition(".")
+        module = modules.get(owner)
+        if (
+            attr == "weight"
+            and type(module) is nn.Linear
+            and len(block.vectors) == 2
+            and not block.transposed
+            and uses[id(module.weight)] == 1
+        ):
+            found[block.name] = (module, block)
+    return found
+
+
+def _rotate_input(q_in: Tensor, module: nn.Module, args: tuple) -> tuple:
+    return (args[0] @ q_in, *args[1:])
+
+
+def _rotate_output(q_out: Tensor, module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+    if module.bias is None:
+        return output @ q_out.T
+    return (output - module.bias) @ q_out.T + module.bias
+
+
+@contextmanager
+def _rotated(targets: Mapping[str, tuple[nn.Linear, EigenBlock]], frozen: list[Tensor]):
+    """The targets' weights in their Kronecker eigenbases; `frozen` parameters excluded.
+
+    Each target `y = W x + b` is computed as `y = Q_G W̃ Q_Aᵀ x + b` with the parameter
+    `W̃ = Q_Gᵀ W Q_A`: the same function in rotated coordinates.
+    """
+    originals, handles = [], []
+    try:
+        for p in frozen:
+            p.requires_grad_(False)
+        for module, block in targets.values():
+            q_out, q_in = block.vectors
+            weight = module.weight
+            originals.append((module, weight))
+            module.weight = nn.Parameter(q_out.T @ weight.detach() @ q_in)
+            handles.append(module.register_forward_pre_hook(partial(_rotate_input, q_in)))
+            handles.append(module.register_forward_hook(partial(_rotate_output, q_out)))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, weight in originals:
+            module.weight = weight
+        for p in frozen:
+            p.requires_grad_(True)
+
+
+def _faithful(model: nn.Module, targets, X: Any) -> bool:
+    """Whether the rotated model computes the same output (no weight used outside its call)."""
+    with torch.no_grad():
+        plain = model(X)
+        with _rotated(targets, []):
+            rotated = model(X)
+    if not isinstance(plain, Tensor) or not isinstance(rotated, Tensor):
+        return False
+    scale = plain.abs().max().clamp_min(1.0)
+    return bool(((plain - rotated).abs().max() <= 1e-3 * scale).item())
+
+
+def _correct(
+    model, lossfunc, data, blocks, fisher_type, mc_samples, progress, normaliser, num_samples
+) -> tuple[float, int]:
+    """Set every block's corrected eigenvalues `R Σ_r (q_kᵀ u_r)²`; return `(ν, N)`.
+
+    `nn.Linear` weights: the diagonal of the curvature w.r.t. the rotated weight `W̃` (see
+    `_rotated`) is exactly `qᵀ F q` in the Kronecker eigenbasis, and backpack's diagonals of
+    a Linear layer never form per-sample gradients (one `[C·N, out] x [C·N, in]` product per
+    batch instead of rotating `C·N` rows of `out x in`). Other blocks rotate their rows.
+    """
+    targets = _rotatable(model, blocks)
+    if targets:
+        first = next(iter(data))[0]
+        if not _faithful(model, targets, first):
+            targets = {}
+    params = dict(trainable(model))
+    total, count = 0.0, 0
+    if targets:
+        others = [p for name, p in params.items() if name not in targets]
+        if fisher_type == "type-2":
+            extension: Any = DiagGGNExact()
+        elif fisher_type == "mc":
+            extension = DiagGGNMC(mc_samples=mc_samples)
+        else:
+            extension = SumGradSquared()
+        try:
+            with _rotated(targets, others):
+                result = accumulate(
+                    model,
+                    lossfunc,
+                    data,
+                    extension,
+                    progress=progress,
+                    normaliser=normaliser,
+                    num_samples=num_samples,
+                    write=False,
+                )
+        except NotImplementedError:
+            # the rotation puts computation between a layer and the loss that backpack needs
+            # to see as a reshape (token losses on flattened logits): rotate rows instead
+            targets = {}
+    rest = [b for b in blocks if b.name not in targets]
+    if targets:
+        diagonal = result.quantity(extension.savefield)
+        # SumGradSquared holds Σ_n (∇ℓ_n / ν)²: one factor ν back to R Σ_n (qᵀ∇ℓ_n)²
+        scale = result.normaliser if fisher_type == "empirical" else 1.0
+        for name, (_, block) in targets.items():
+            block.values = diagonal[name].reshape(block.values.shape) * scale
+        total, count = result.total, result.num_samples
+    if not rest:
+        return total, count
+    frozen = [params[name] for name in targets]
+    sums = [torch.zeros_like(b.values) for b in rest]
+    total, count = 0.0, 0
+    try:
+        for p in frozen:
+            p.requires_grad_(False)
+        for batch, rows, nu in row_batches(
+            model,
+            lossfunc,
+            data,
+            _ROWS[fisher_type],
+            mc_samples,
+            progress,
+            "EKFAC eigenvalues",
+            normaliser,
+            num_samples,
+        ):
+            total += nu
+            count += batch.num_samples
+            for s, b in zip(sums, rest):
+                s += b.squares(rows[b.name])
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+    normaliser_total = total if reduction_of(lossfunc, normaliser) == "mean" else 1.0
+    for s, b in zip(sums, rest):
+        b.values = s / normaliser_total
+    return total, count
+
+
 class EKFAC(CurvatureOperator):
     """Eigenvalue-corrected KFAC of a data set, block diagonal over the parameters.
 
@@ -205,7 +362,8 @@ class EKFAC(CurvatureOperator):
     Its scale is the data-set loss's, like `KFAC`'s: the corrected eigenvalues are
     `R Σ_r (q_kᵀ u_r)²` with `R` the reduction factor (`1/ν` or 1). Cost: one sweep for the
     Kronecker factors (as `KFAC`), their eigendecompositions, and one sweep for the corrected
-    eigenvalues (per batch: the rows and two small matrix products per block). Everything else
+    eigenvalues (per batch: a diagonal of the rotated `nn.Linear` weights, see `_correct`, and
+    for other blocks the rows and two small matrix products per block). Everything else
     is closed-form in the eigenbases and the corrected eigenvalues.
     """
 
@@ -239,32 +397,24 @@ class EKFAC(CurvatureOperator):
         self.kfac = kfac
         self.fisher_type = fisher_type
         self.blocks = kfac_eigenblocks(kfac)
-        sums = [torch.zeros_like(b.values) for b in self.blocks]
         devices = [self.device] if self.device.type == "cuda" else []
-        total, count = 0.0, 0
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed + 1)
-            for batch, rows, nu in row_batches(
+            total, count = _correct(
                 model,
                 lossfunc,
                 data,
-                _ROWS[fisher_type],
+                self.blocks,
+                fisher_type,
                 mc_samples,
                 progress,
-                "EKFAC eigenvalues",
                 normaliser,
                 num_samples,
-            ):
-                total += nu
-                count += batch.num_samples
-                for s, b in zip(sums, self.blocks):
-                    s += b.squares(rows[b.name])
+            )
         #: what the data-set loss divides its summed terms by (`ν` for "mean", 1 for "sum")
         self.normaliser_total = total if reduction_of(lossfunc, normaliser) == "mean" else 1.0
         #: the number of samples of the data set
         self.num_samples_total = count
-        for s, b in zip(sums, self.blocks):
-            b.values = s / self.normaliser_total
 
     @property
     def corrected(self) -> dict[str, Tensor]:
