@@ -247,10 +247,13 @@ def _rotated(targets: Mapping[str, tuple[nn.Linear, EigenBlock]], frozen: list[T
 
 def _faithful(model: nn.Module, targets, X: Any) -> bool:
     """Whether the rotated model computes the same output (no weight used outside its call)."""
+    buffers = [(b, b.clone()) for b in model.buffers()]
     with torch.no_grad():
         plain = model(X)
         with _rotated(targets, []):
             rotated = model(X)
+        for buffer, saved in buffers:  # running statistics are not this check's to update
+            buffer.copy_(saved)
     if not isinstance(plain, Tensor) or not isinstance(rotated, Tensor):
         return False
     scale = plain.abs().max().clamp_min(1.0)
