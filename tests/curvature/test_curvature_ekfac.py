@@ -141,3 +141,48 @@ def test_ekfac_errors():
         op.inverse({"0.weight": 0.1})
     with pytest.raises(ValueError, match="fisher_type"):
         EKFAC(model, problem.make_loss("mean"), problem.batches(SIZES), fisher_type="true")
+
+
+class FunctionalHead(nn.Module):
+    """The head's weight is also read outside the head's call (detached, so the gradients come
+    from the call only): rotating the weight through the call's hooks would change the
+    function."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(3, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return self.head(h) + 0.5 * h @ self.head.weight.detach().T
+
+
+@pytest.mark.parametrize("fisher", ["type-2", "empirical"])
+def test_linear_weights_take_the_rotated_diagonal_unless_that_changes_the_function(
+    fisher, monkeypatch
+):
+    """Linear weights get their corrected eigenvalues from a diagonal of the rotated weight (no
+    per-sample rows); a weight used outside its module's call falls back to the rows."""
+    import backpack.curvature.ekfac as ekfac_module
+
+    calls = []
+    original = ekfac_module.accumulate
+    monkeypatch.setattr(
+        ekfac_module, "accumulate", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
+    torch.manual_seed(0)
+    X, y = torch.randn(7, 3, dtype=torch.float64), torch.randint(0, 3, (7,))
+    data = [(X[:4], y[:4]), (X[4:], y[4:])]
+    for make, rotated in ((FunctionalHead, False), (Mixed, True)):
+        torch.manual_seed(1)
+        model = make().double()
+        inputs = (torch.randint(0, 3, (7, 1)), y) if make is Mixed else (X, y)
+        batches = [(inputs[0][:4], y[:4]), (inputs[0][4:], y[4:])] if make is Mixed else data
+        calls.clear()
+        op = EKFAC(model, nn.CrossEntropyLoss(), batches, fisher_type=fisher)
+        assert bool(calls) == rotated
+        problem = Problem("p", make, lambda r: nn.CrossEntropyLoss(reduction=r), *inputs)
+        ref = Reference(problem, model, "mean")
+        kfac = KFAC(model, nn.CrossEntropyLoss(), batches, fisher_type=fisher)
+        close(op.to_dense(), brute_force(kfac, ref, explicit(ref, fisher)))
