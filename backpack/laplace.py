@@ -276,11 +276,14 @@ class _BackpackBackend:
         Gs = torch.cat([v.flatten(1) for v in values], dim=1)
         return self._select(Gs), loss
 
-    def _kfac(self, X: Any, y: Tensor, N: int, fisher_type: str, mc_samples: int) -> Kron:
+    def _kfac(
+        self, X: Any, y: Tensor, N: int, fisher_type: str, mc_samples: int, approx: str | None
+    ) -> Kron:
         """laplace-torch's `Kron` of one batch from the data-set layer's `KFAC` operator.
 
         `A` (a mean over the batch's samples) is scaled by `M / N` so that laplace-torch's sum
-        over the batches averages it over the data set, as its own backends do.
+        over the batches averages it over the data set, as its own backends do. `approx`
+        overrides `kfac_approx` (laplace-torch passes `asdl_fisher_kwargs` to `kron`).
         """
         if self.subnetwork_indices is not None:
             raise ValueError("backpack.laplace: Kronecker factors of a subnetwork are undefined.")
@@ -292,7 +295,7 @@ class _BackpackBackend:
                 self.lossfunc,
                 [(X, self._target(y))],
                 fisher_type=fisher_type,
-                kfac_approx=self.kfac_approx,
+                kfac_approx=approx or self.kfac_approx,
                 mc_samples=mc_samples,
                 seed=seed,
                 num_samples=self._num_samples,
@@ -387,7 +390,7 @@ class LaplaceGGN(_BackpackBackend, GGNInterface):
     def kron(self, x: Any, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Kron]:
         """The batch's `factor · loss` and `factor · Kron`: KFAC of type-2 (KFLR) or "mc"."""
         fisher = "mc" if self.stochastic else "type-2"
-        kron = self._kfac(x, y, N, fisher, self.num_samples)
+        kron = self._kfac(x, y, N, fisher, self.num_samples, kwargs.get("kfac_approx"))
         return self.factor * self._loss(x, y), kron * self.factor
 
 
@@ -423,7 +426,7 @@ class LaplaceEF(_BackpackBackend, EFInterface):
 
     def kron(self, x: Any, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Kron]:
         """The batch's `factor · loss` and `factor · Kron` of the empirical Fisher."""
-        kron = self._kfac(x, y, N, "empirical", 1)
+        kron = self._kfac(x, y, N, "empirical", 1, kwargs.get("kfac_approx"))
         return self.factor * self._loss(x, y), kron * self.factor
 
 
