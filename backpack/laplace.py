@@ -114,6 +114,14 @@ class HuggingFaceLogits(nn.Module):
         return logits[torch.arange(logits.shape[0], device=logits.device), last]
 
 
+def _seed() -> int:
+    """A seed for the data-set layer's sampled labels, from torch's global generator.
+
+    `torch.manual_seed` then reproduces the draws, as for laplace-torch's own Monte-Carlo.
+    """
+    return int(torch.randint(0, 2**62, ()).item())
+
+
 class _Flat(nn.Module):
     """The model with its logits as the loss needs them (`[N·…, C]` for classification)."""
 
@@ -288,7 +296,7 @@ class _BackpackBackend:
         if self.subnetwork_indices is not None:
             raise ValueError("backpack.laplace: Kronecker factors of a subnetwork are undefined.")
         M = self._num_samples(X)
-        seed = int(torch.randint(0, 2**62, ()).item())  # the global RNG, as laplace's MC
+        seed = _seed() if fisher_type == "mc" else 0
         with self._only_selected():
             op = KFAC(
                 self._flat,
@@ -506,7 +514,7 @@ class EKFACLaplace(ParametricLaplace):
         else:
             fisher = "mc" if backend.stochastic else "type-2"
             mc = backend.num_samples
-        seed = int(torch.randint(0, 2**62, ()).item())
+        seed = _seed() if fisher == "mc" else 0
         with backend._only_selected():
             op = EKFAC(
                 backend._flat,

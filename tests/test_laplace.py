@@ -313,18 +313,50 @@ def test_mc_diag_is_unbiased_for_the_ggn_diagonal():
     torch.testing.assert_close(diag, expected, rtol=0.1, atol=0.02)
 
 
-def test_last_layer_and_subnetwork_laplace():
+@pytest.mark.parametrize("structure", ["diag", "kron", "full"])
+def test_last_layer_laplace(structure):
     model, X, y, likelihood = problem("mlp", n=13)
     la = laplace.Laplace(
         copy.deepcopy(model), likelihood, subset_of_weights="last_layer",
-        hessian_structure="kron", backend=LaplaceGGN,
+        hessian_structure=structure, backend=LaplaceGGN,
     )
     _workflow(la, loader(X, y), X, likelihood)
-    last = la.model.last_layer
-    sub = LaplaceGGN(model, likelihood, subnetwork_indices=torch.tensor([0, 3, 40, 42]))
-    _, diag = sub.diag(X, y)
-    torch.testing.assert_close(diag, ref_ggn(model, X, likelihood).diagonal()[[0, 3, 40, 42]])
-    assert isinstance(last, nn.Linear)
+    assert la.model.last_layer is la.model.model[2]
+    ggn = ref_ggn(model, X, likelihood)[-18:, -18:]  # the last Linear's 15 + 3 entries
+    if structure == "diag":
+        torch.testing.assert_close(la.H, ggn.diagonal(), rtol=1e-10, atol=1e-12)
+    if structure == "full":
+        torch.testing.assert_close(la.H, ggn, rtol=1e-10, atol=1e-12)
+    # the other parameters are trainable again, their .grad untouched
+    assert all(p.requires_grad and p.grad is None for p in la.model.parameters())
+
+
+def test_subnetwork_diag_and_full():
+    model, X, y, likelihood = problem("mlp", n=13)
+    index = torch.tensor([0, 3, 40, 42])
+    sub = LaplaceGGN(model, likelihood, subnetwork_indices=index)
+    ggn = ref_ggn(model, X, likelihood)
+    torch.testing.assert_close(sub.diag(X, y)[1], ggn.diagonal()[index])
+    torch.testing.assert_close(sub.full(X, y)[1], ggn[index][:, index])
+    with pytest.raises(ValueError, match="subnetwork"):
+        sub.kron(X, y, N=13)
+
+
+def test_hugging_face_logits_picks_the_last_unpadded_token():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=8, n_embd=8, n_layer=1, n_head=2, bos_token_id=0,
+        eos_token_id=0, pad_token_id=0,
+    )
+    lm = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.tensor([[3, 4, 5, 0], [6, 7, 8, 9]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([1, 2])}
+    with torch.no_grad():
+        logits = lm(input_ids=ids, attention_mask=mask).logits
+        torch.testing.assert_close(HuggingFaceLogits(lm)(batch), logits[[0, 1], [2, 3]])
+        torch.testing.assert_close(HuggingFaceLogits(lm, position=0)(batch), logits[:, 0])
 
 
 # --- Kronecker layout -------------------------------------------------------------------------
