@@ -259,12 +259,8 @@ class _BackpackBackend:
         """
         if enable_backprop:
             return super().jacobians(x, enable_backprop=True)  # type: ignore[misc]
-        with self._only_selected():
-            holder = _Logits(self.model)
-            f, jac = _jacobians(holder, x)
-            J = torch.cat(
-                [jac[f"model.{n}"].flatten(f.dim()) for n in self._names()], dim=-1
-            )
+        with self._only_selected():  # trainable: exactly `self.params`, in their order
+            f, J = _jacobians(_Logits(self.model), x, flatten=True)
         if f.dim() == 1:
             f, J = f.unsqueeze(-1), J.unsqueeze(1)
         return self._select(J), f
