@@ -3,6 +3,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
+# laplace-torch and the packages it imports, except backpack-for-pytorch (see docs/laplace.md)
+LAPLACE_PACKAGES := laplace-torch==0.3 curvlinops-for-pytorch==3.0.1 asdfghjkl==0.1a4 \
+	torchmetrics lightning-utilities einops einconv linear_operator opt-einsum
 
 .PHONY: install demo test test-slow test-clients install-clients lint bench clean docs
 
@@ -11,6 +14,9 @@ $(STAMP): pyproject.toml requirements-dev.txt
 	$(BIN)/python -m pip install -q --upgrade pip setuptools
 	$(BIN)/python -m pip install -q -r requirements-dev.txt
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	# laplace-torch for tests/test_laplace.py, without its dependency on the original BackPACK
+	$(BIN)/python -m pip install -q --no-deps $(LAPLACE_PACKAGES)
+	-$(BIN)/python -m pip uninstall -q -y backpack-for-pytorch
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -56,6 +56,7 @@ FLOORS = {
     "backpack": 8,
     # 9 applications of the data-set layer
     "backpack.influence": 9,
+    "backpack.laplace": 9,
 }
 
 MAX_CLASS_LINES = 500

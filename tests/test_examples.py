@@ -83,6 +83,10 @@ SMALL = {
         "2",
     ],
     "example_lora_gpt2": ["--batch-size", "3", "--context", "6", "--dim", "16", "--layers", "1"],
+    "example_laplace_backend": [
+        "--train-size", "32", "--test-size", "16", "--batch-size", "16", "--channels", "2",
+        "--steps", "3", "--snippets", "9", "--context", "5", "--dim", "8", "--rank", "2",
+    ],
     "example_gpt_curvature": [
         "--batch-size",
         "4",
@@ -100,6 +104,10 @@ SMALL = {
 }
 
 
+#: examples that need an optional package (skipped without it)
+NEEDS = {"example_laplace_backend": "laplace"}
+
+
 def test_every_example_is_covered():
     scripts = {p.stem for p in EXAMPLES.glob("example_*.py")}
     assert scripts == set(SMALL)
@@ -111,6 +119,8 @@ def test_every_example_is_covered():
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 @pytest.mark.parametrize("name", sorted(SMALL))
 def test_example_runs_and_checks_itself(name, capsys):
+    if name in NEEDS:
+        pytest.importorskip(NEEDS[name])
     result = load(name).main(SMALL[name])
     assert result is not None
     assert capsys.readouterr().out.strip()

@@ -28,6 +28,7 @@ from backpack.curvature.accumulate import accumulate
 from backpack.curvature.operators import CurvatureOperator
 from backpack.extensions import KFAC as KFACExtension
 from backpack.extensions import KFLR
+from backpack.rules import find_rule
 
 __all__ = ["KFAC", "KFACInverse"]
 
@@ -115,8 +116,11 @@ def _orientation(name: str, p: Tensor, factors: list[Tensor], owner: nn.Module |
             f"{name} of shape {tuple(p.shape)} got Kronecker factors of sizes {g} and {a}, which "
             "match neither its first nor its second axis."
         )
-    if len(fits) == 2:
-        return isinstance(owner, _TRANSPOSED)
+    if len(fits) == 2:  # a square weight: ask the owner's rule (e.g. transformers' Conv1D)
+        if isinstance(owner, _TRANSPOSED):
+            return True
+        rule = find_rule(owner) if owner is not None else None
+        return name.rsplit(".", 1)[-1] in getattr(rule, "KRON_TRANSPOSED", ())
     return fits[0]
 
 
