@@ -28,6 +28,14 @@ from backpack.curvature._data import (
     sweep,
     trainable,
 )
+from backpack.curvature._distributed import (
+    all_sum,
+    check_not_fully_sharded,
+    guarded,
+    local_module,
+    process_group,
+    rank_of,
+)
 from backpack.curvature.accumulate import accumulate
 from backpack.curvature.cg import CGInfo, NotPositiveDefiniteError, conjugate_gradients
 from backpack.extensions import BatchGrad, DiagGGNExact, DiagHessian, SqrtGGNMC, SumGradSquared
@@ -218,7 +226,10 @@ class _DataOperator(CurvatureOperator):
     """An operator of a data-set loss: products sweep the data, summing batches' contributions.
 
     A batch contributes its product at the scale of `reduction="sum"` (`_batch_product`); the
-    sum over batches is divided by `ν` once for "mean".
+    sum over batches is divided by `ν` once for "mean". Under torch.distributed (`distributed`,
+    as in `accumulate`) `data` is this rank's shard: every product sums the ranks' partial
+    products and normalisers in one all-reduce, so it is a collective (every rank multiplies,
+    with the same matrix) and every rank gets the whole data set's product.
     """
 
     def __init__(
@@ -230,9 +241,14 @@ class _DataOperator(CurvatureOperator):
         column_chunk: int = 64,
         normaliser: Normaliser | None = None,
         num_samples: Callable[[Any], int] | None = None,
+        distributed: bool | None = None,
     ) -> None:
         needs_reiterable(data, type(self).__name__)
+        model = local_module(model)
+        check_not_fully_sharded(model, type(self).__name__)
         super().__init__(model, trainable(model))
+        self.distributed = distributed
+        self._group = process_group(distributed, type(self).__name__)
         self.lossfunc = lossfunc
         self.data = data
         self.progress = progress
@@ -286,14 +302,30 @@ class _DataOperator(CurvatureOperator):
         return sweep(self.data, self.progress, desc, self.num_samples)
 
     def _matmat(self, V: Tensor) -> Tensor:
-        out = torch.zeros_like(V)
-        total = 0.0
-        for batch in self._sweep(f"{type(self).__name__} @ [P, {V.shape[1]}]"):
-            contribution, nu = self._batch_product(batch, V)
-            total += nu
-            if contribution is not None:
-                out += contribution
+        def local() -> tuple[Tensor, float]:
+            out = torch.zeros_like(V)
+            total = 0.0
+            for batch in self._sweep(f"{type(self).__name__} @ [P, {V.shape[1]}]"):
+                contribution, nu = self._batch_product(batch, V)
+                total += nu
+                if contribution is not None:
+                    out += contribution
+            return out, total
+
+        out, total = self._global(local, torch.zeros_like(V))
         return out / total if self.reduction == "mean" else out
+
+    def _global(
+        self, local: Callable[[], tuple[Tensor, float]], empty: Tensor
+    ) -> tuple[Tensor, float]:
+        """This rank's `(summed product, ν)`, summed over the ranks under torch.distributed."""
+        group = self._group
+        done, error = guarded(group, local, type(self).__name__)
+        if group is None:
+            return done
+        out, total = done if done is not None else (empty, 0.0)
+        (total,) = all_sum(group, [out], [total], error, f"sum {type(self).__name__}'s products")
+        return out, total
 
     def _batch_product(self, batch: Batch, V: Tensor) -> tuple[Tensor | None, float]:
         raise NotImplementedError
@@ -324,6 +356,7 @@ class _DataOperator(CurvatureOperator):
             normaliser=self.normaliser,
             num_samples=self.num_samples,
             write=False,
+            distributed=self.distributed,
         )
         values = result.quantity(extension.savefield)
         return torch.cat([values[name].flatten() for name in self.names]), result
@@ -342,11 +375,15 @@ class GGN(_DataOperator):
         mc_samples: None for the exact GGN; an integer for the Monte-Carlo GGN (the type-2
             Fisher estimated with `mc_samples` sampled labels per sample, from backpack's
             `SqrtGGNMC`), a fixed matrix: every sweep draws the same labels from `seed`.
-        seed: Seed of the Monte-Carlo draws (the global RNG is forked, not advanced).
+        seed: Seed of the Monte-Carlo draws (the global RNG is forked, not advanced; under
+            torch.distributed rank r draws from `seed + r`).
         progress: Show a progress bar per sweep (tqdm).
         column_chunk: At most this many columns per batched product (memory).
         normaliser: Custom `(output, y) -> ν_b`.
         num_samples: Custom `X -> number of samples`.
+        distributed: `data` is this rank's shard of the data set (see `accumulate`): None
+            (default) when torch.distributed runs with more than one process, True, or False.
+            Products (and `diagonal()`) are then collectives giving the whole data set's.
 
     Cost: a product with K columns is one sweep: per batch one forward, K Jacobian-vector
     products, K loss-Hessian products and K vector-Jacobian products (vmapped), like
@@ -365,8 +402,11 @@ class GGN(_DataOperator):
         column_chunk: int = 64,
         normaliser: Normaliser | None = None,
         num_samples: Callable[[Any], int] | None = None,
+        distributed: bool | None = None,
     ) -> None:
-        super().__init__(model, lossfunc, data, progress, column_chunk, normaliser, num_samples)
+        super().__init__(
+            model, lossfunc, data, progress, column_chunk, normaliser, num_samples, distributed
+        )
         if mc_samples is not None and (
             isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1
         ):
@@ -410,7 +450,7 @@ class GGN(_DataOperator):
         params = trainable(self.model)
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(self.seed)
+            torch.manual_seed(self.seed + rank_of(self._group))
             for batch in self._sweep("GGN (MC)"):
                 with torch.enable_grad():
                     output = self.model(batch.X)
@@ -431,17 +471,22 @@ class GGN(_DataOperator):
                 yield factor.flatten(0, 1) * self._scale(nu) ** 0.5, nu
 
     def _mc_sweep(self, V: Tensor | None) -> Tensor:
-        out = torch.zeros_like(V) if V is not None else torch.zeros(self.shape[0], dtype=self.dtype)
-        out = out.to(self.device)
-        total = 0.0
-        for factor, nu in self._mc_factors():
-            total += nu
-            if factor is None:
-                continue
-            if V is None:
-                out += factor.square().sum(0)
-            else:
-                out += factor.T @ (factor @ V)
+        size = V.shape if V is not None else (self.shape[0],)
+        empty = torch.zeros(size, dtype=self.dtype, device=self.device)
+
+        def local() -> tuple[Tensor, float]:
+            out, total = empty.clone(), 0.0
+            for factor, nu in self._mc_factors():
+                total += nu
+                if factor is None:
+                    continue
+                if V is None:
+                    out += factor.square().sum(0)
+                else:
+                    out += factor.T @ (factor @ V)
+            return out, total
+
+        out, total = self._global(local, empty)
         return out / total if self.reduction == "mean" else out
 
     def diagonal(self) -> Tensor:
