@@ -501,8 +501,9 @@ class Hessian(_DataOperator):
 
     Args: as `GGN` (without `mc_samples`, `seed`).
 
-    Cost: a product with K columns is one sweep: per batch a forward and backward with
-    `create_graph` and K reverse-over-reverse Hessian-vector products (vmapped).
+    Cost: a product with K columns is one sweep: per batch a forward, a backward with
+    `create_graph` and K backward passes through the gradient's graph (reverse-over-reverse
+    Hessian-vector products, vmapped over the K columns).
     `diagonal()` is exact: one `accumulate(DiagHessian())` sweep where backpack supports the
     model's layers, otherwise `P` Hessian-vector products (with a warning).
     `inverse(λ)` (conjugate gradients) needs `H + λI` positive definite, `λ > −λ_min(H)`: the
@@ -510,23 +511,37 @@ class Hessian(_DataOperator):
     """
 
     def _batch_product(self, batch, V):  # noqa: D102
-        params = self._params()
+        names, params = zip(*trainable(self.model))
+        with disable(), torch.enable_grad():
+            output = self.model(batch.X)
+            nu = self._nu(output.detach(), batch.y) if self.reduction == "mean" else 1.0
+            if self.reduction == "mean" and nu == 0:
+                return None, nu
+            loss = self.lossfunc(output, batch.y)
+            # reverse-over-reverse (forward-over-reverse trips over torch's zero tangents of some
+            # losses' targets, e.g. MSELoss): the gradient's graph is built once with plain
+            # autograd, and the K second backward passes through it are vmapped by torch.func
+            # (whose batching rules cover convolutions' double backward, unlike
+            # `is_grads_batched`); symmetric, so these vector-Jacobian products are H v
+            grads = torch.autograd.grad(
+                loss, params, create_graph=True, allow_unused=True, materialize_grads=True
+            )
+            live = [i for i, g in enumerate(grads) if g.requires_grad]
 
-        def loss_of(pdict):
-            return self.lossfunc(functional_call(self.model, pdict, (batch.X,)), batch.y)
+            def column(tangents: dict[str, Tensor]) -> dict[str, Tensor]:
+                if not live:
+                    return {name: torch.zeros_like(tangents[name]) for name in names}
+                hv = torch.autograd.grad(
+                    [grads[i] for i in live],
+                    params,
+                    [tangents[names[i]] for i in live],
+                    retain_graph=True,
+                    allow_unused=True,
+                    materialize_grads=True,
+                )
+                return dict(zip(names, hv))
 
-        with disable():
-            nu = 1.0
-            if self.reduction == "mean":
-                with torch.no_grad():
-                    nu = self._nu(self.model(batch.X), batch.y)
-                if nu == 0:
-                    return None, nu
-            with torch.enable_grad():
-                # symmetric: Hessian-vector products by reverse-over-reverse (forward-over-reverse
-                # trips over torch's zero tangents of some losses' targets, e.g. MSELoss)
-                _, hvp = vjp(grad(loss_of), params)
-                out = self._columns(V, vmap(lambda t: hvp(t)[0]))
+            out = self._columns(V, vmap(column))
         return out * self._scale(nu), nu
 
     def diagonal(self) -> Tensor:
