@@ -158,6 +158,7 @@ class Accumulated:
             stream_total=self.stream_total,
             ref_scale=self.ref_scale,
             ref_count=self.ref_count,
+            ranks=max(self.ranks, other.ranks),
         )
         if self.stream_total is not None or other.stream_total is not None:
             streamed = {t for t in (self.stream_total, other.stream_total) if t is not None}
