@@ -101,8 +101,13 @@ def paired(ours: Callable[[], Tensor], theirs: Callable[[], Tensor], repeats: in
     return a, b, statistics.median(ratios)
 
 
-def matvec_rows(name: str, n: int, batch: int, k: int, repeats: int) -> list[str]:
-    """Exact operators and Kronecker ones, ours vs curvlinops (build + one product)."""
+def matvec_rows(
+    name: str, n: int, batch: int, k: int, repeats: int, only: list[str] | None = None
+) -> list[str]:
+    """Exact operators and Kronecker ones, ours vs curvlinops (build + one product).
+
+    `only`: the labels of the rows to run (default: all).
+    """
     import curvlinops as C
 
     model, data = build(name, n, batch)
@@ -127,6 +132,8 @@ def matvec_rows(name: str, n: int, batch: int, k: int, repeats: int) -> list[str
         ("EmpiricalFisher", *exact(EmpiricalFisher, C.EFLinearOperator)),
     ]
     for label, o, t in cases:
+        if only is not None and label not in only:
+            continue
         a, b, ratio = paired(o, t, repeats)
         rows.append(f"| {name} | {label} | {rel(a, b):.1e} | — | {ratio:.2f} |")
 
@@ -158,6 +165,8 @@ def matvec_rows(name: str, n: int, batch: int, k: int, repeats: int) -> list[str
             start = end
         return "; ".join(out)
 
+    if only is not None:
+        return rows
     kcases = [
         ("KFAC type-2", *kron(KFAC, C.KFACLinearOperator, "type-2", "type-2")),
         ("EKFAC type-2", *kron(EKFAC, C.EKFACLinearOperator, "type-2", "type-2")),
@@ -237,6 +246,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None, help="write the markdown here")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        help="run only these exact-operator rows (GGN, Hessian, EmpiricalFisher), no others",
+    )
     args = parser.parse_args(argv)
     if not peers_available():
         print("curvlinops/PyHessian are not installed: run `make install-bench`, use .venv-bench.")
@@ -263,9 +278,12 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---|---|---|---|",
     ]
     for name in ("mlp", "cnn"):
-        for row in matvec_rows(name, n, batch, k, args.repeats):
+        for row in matvec_rows(name, n, batch, k, args.repeats, args.only):
             print(row, flush=True)
             lines.append(row)
+    if args.only is not None:
+        print("\n".join(lines))
+        return 0
     lines += [
         "",
         "## Hessian spectrum: ours vs PyHessian",

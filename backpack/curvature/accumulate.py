@@ -19,6 +19,14 @@ from backpack.curvature._data import (
     sweep,
     trainable,
 )
+from backpack.curvature._distributed import (
+    all_sum,
+    check_not_fully_sharded,
+    combine,
+    guarded,
+    local_module,
+    process_group,
+)
 from backpack.curvature._quantities import (
     BatchScale,
     Callback,
@@ -47,6 +55,8 @@ class Accumulated:
         stream_total: The normaliser per-sample rows were streamed with (callback mode).
         ref_scale: `s_ref`, the first batch's scale (states are relative to it).
         ref_count: `N_ref`, the first batch's number of samples.
+        ranks: Number of torch.distributed ranks whose shards this result combines (their
+            per-sample rows stay on their rank: this rank's rows of the global data set).
     """
 
     reduction: str
@@ -62,6 +72,7 @@ class Accumulated:
     stream_total: float | None = None
     ref_scale: float = 1.0
     ref_count: int = 1
+    ranks: int = 1
 
     @property
     def normaliser(self) -> float:
@@ -147,6 +158,7 @@ class Accumulated:
             stream_total=self.stream_total,
             ref_scale=self.ref_scale,
             ref_count=self.ref_count,
+            ranks=max(self.ranks, other.ranks),
         )
         if self.stream_total is not None or other.stream_total is not None:
             streamed = {t for t in (self.stream_total, other.stream_total) if t is not None}
@@ -233,6 +245,7 @@ def accumulate(
     normaliser: Normaliser | None = None,
     num_samples: Callable[[Any], int] | None = None,
     write: bool = True,
+    distributed: bool | None = None,
 ) -> Accumulated:
     """Extension quantities of the data-set loss: one backward per batch of `data`.
 
@@ -260,6 +273,13 @@ def accumulate(
         num_samples: Custom `X -> number of samples` (default: first axis of the first tensor).
         write: Store the quantities and `.grad` on the parameters (`result.write(model)`); with
             False the parameters keep their `.grad` from before the call and get no attribute.
+        distributed: Under `torch.distributed`, `data` is this rank's shard: each rank sweeps
+            its shard locally (no collective per batch; shards may differ in their numbers and
+            sizes of batches) and one exchange at the end gives every rank the quantities of
+            the whole data set (per-sample rows: this rank's rows, scaled as rows of the whole
+            data set; `total` is the whole data set's). None (default): when torch.distributed
+            runs with more than one process; True: always (raises if it is not initialised);
+            False: this rank's shard only. Every rank must call `accumulate` together.
 
     Returns:
         An `Accumulated` result (mergeable with another sweep's, and `write`-able to a model).
@@ -267,20 +287,71 @@ def accumulate(
     Raises:
         ValueError: For an empty `data`, batches of changing shapes, parameters changed during
             the sweep, or an extension that cannot be combined over batches.
-        NotImplementedError: For `BatchDotGrad`, `KFRA` and the matrix-product extensions.
+        NotImplementedError: For `BatchDotGrad`, `KFRA` and the matrix-product extensions, and
+            for a model sharded with FSDP2 (`fully_shard`).
+        RuntimeError: Under torch.distributed, when another rank's sweep failed, or the ranks
+            swept different models, extensions or batch shapes.
     """
-    kinds = _extensions(extensions)
-    exts = [extensions] if isinstance(extensions, BackpropExtension) else list(extensions)
-    reduction = reduction_of(lossfunc, normaliser)
+    model = local_module(model)
+    check_not_fully_sharded(model, "accumulate")
+    group = process_group(distributed, "accumulate")
     stream_total = None
     if callback is not None:
-        if reduction == "sum":
+        if reduction_of(lossfunc, normaliser) == "sum":
             stream_total = 1.0
         elif total is not None:
             stream_total = float(total)
         else:
             needs_reiterable(data, "accumulate(callback=...) without total=")
-            stream_total = count_normaliser(model, lossfunc, data, normaliser, num_samples)
+            counted, error = guarded(
+                group,
+                lambda: count_normaliser(model, lossfunc, data, normaliser, num_samples),
+                "accumulate",
+            )
+            if group is None:
+                stream_total = counted
+            else:  # the whole data set's
+                (stream_total,) = all_sum(group, [], [counted or 0.0], error, "count ν")
+    result, error = guarded(
+        group,
+        lambda: _local_sweep(
+            model,
+            lossfunc,
+            data,
+            extensions,
+            progress,
+            callback,
+            stream_total,
+            normaliser,
+            num_samples,
+        ),
+        "accumulate",
+    )
+    if group is not None:
+        result = combine(result, error, group)
+    _check_streamed(result.stream_total, result.reduction, result.total)
+    if write:
+        result.write(model)
+    return result
+
+
+def _check_streamed(stream_total: float | None, reduction: str, nu_total: float) -> None:
+    if stream_total is not None and reduction == "mean" and not isclose(stream_total, nu_total):
+        raise ValueError(
+            f"Rows were streamed divided by total={stream_total}, but the data set's normaliser "
+            f"is {nu_total} (a loader that drops or reshuffles targets between sweeps? under "
+            "torch.distributed: total is the whole data set's, over all ranks)."
+        )
+
+
+def _local_sweep(
+    model, lossfunc, data, extensions, progress, callback, stream_total, normaliser, num_samples
+) -> Accumulated:
+    """This process's sweep over `data` (its shard under torch.distributed), not written."""
+    kinds = _extensions(extensions)
+    exts = [extensions] if isinstance(extensions, BackpropExtension) else list(extensions)
+    reduction = reduction_of(lossfunc, normaliser)
+    if callback is not None:
         for kind in kinds.values():
             if isinstance(kind, Rows):
                 kind.callback = callback
@@ -334,11 +405,6 @@ def accumulate(
             signature = batch.signature
     if fingerprint(model) != before:
         raise ValueError("The model's parameters changed during the sweep.")
-    if stream_total is not None and reduction == "mean" and not isclose(stream_total, nu_total):
-        raise ValueError(
-            f"Rows were streamed divided by total={stream_total}, but the data set's normaliser "
-            f"is {nu_total} (a loader that drops or reshuffles targets between sweeps?)."
-        )
     for name, p in params:
         if grads[name] is None:  # only batches without loss terms
             grads[name] = torch.zeros_like(p)
@@ -357,11 +423,8 @@ def accumulate(
         ref_scale=ref_scale or 1.0,
         ref_count=ref_count,
     )
-    if write:
-        result.write(model)
-    else:
-        for (_, p), saved in zip(params, saved_grads):
-            p.grad = saved
+    for (_, p), saved in zip(params, saved_grads):
+        p.grad = saved
     return result
 
 

@@ -20,7 +20,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from backpack.curvature import _distributed as _dist
 from backpack.curvature._data import Normaliser, needs_reiterable, reduction_of, trainable
+from backpack.curvature._distributed import rank_of
 from backpack.curvature._rows import row_batches
 from backpack.curvature.accumulate import accumulate
 from backpack.curvature.kfac import KFAC
@@ -261,9 +263,21 @@ def _faithful(model: nn.Module, targets, X: Any) -> bool:
 
 
 def _correct(
-    model, lossfunc, data, blocks, fisher_type, mc_samples, progress, normaliser, num_samples
+    model,
+    lossfunc,
+    data,
+    blocks,
+    fisher_type,
+    mc_samples,
+    progress,
+    normaliser,
+    num_samples,
+    group=None,
+    distributed=None,
 ) -> tuple[float, int]:
     """Set every block's corrected eigenvalues `R Σ_r (q_kᵀ u_r)²`; return `(ν, N)`.
+
+    Under torch.distributed (`group`), `data` is this rank's shard and the sums are global.
 
     `nn.Linear` weights: the diagonal of the curvature w.r.t. the rotated weight `W̃` (see
     `_rotated`) is exactly `qᵀ F q` in the Kronecker eigenbasis, and backpack's diagonals of
@@ -273,7 +287,11 @@ def _correct(
     targets = _rotatable(model, blocks)
     if targets:
         first = next(iter(data))[0]
-        if not _faithful(model, targets, first):
+        faithful = _faithful(model, targets, first)
+        if group is not None:  # the same path on every rank
+            (agreed,) = _dist.all_sum(group, [], [float(faithful)], None, "EKFAC")
+            faithful = agreed == _dist.world_size(group)
+        if not faithful:
             targets = {}
     params = dict(trainable(model))
     total, count = 0.0, 0
@@ -296,6 +314,7 @@ def _correct(
                     normaliser=normaliser,
                     num_samples=num_samples,
                     write=False,
+                    distributed=distributed,
                 )
         except NotImplementedError:
             # the rotation puts computation between a layer and the loss that backpack needs
@@ -312,29 +331,43 @@ def _correct(
     if not rest:
         return total, count
     frozen = [params[name] for name in targets]
-    sums = [torch.zeros_like(b.values) for b in rest]
-    total, count = 0.0, 0
-    try:
-        for p in frozen:
-            p.requires_grad_(False)
-        for batch, rows, nu in row_batches(
-            model,
-            lossfunc,
-            data,
-            _ROWS[fisher_type],
-            mc_samples,
-            progress,
-            "EKFAC eigenvalues",
-            normaliser,
-            num_samples,
-        ):
-            total += nu
-            count += batch.num_samples
-            for s, b in zip(sums, rest):
-                s += b.squares(rows[b.name])
-    finally:
-        for p in frozen:
-            p.requires_grad_(True)
+
+    def local() -> tuple[list[Tensor], float, int]:
+        sums = [torch.zeros_like(b.values) for b in rest]
+        total, count = 0.0, 0
+        try:
+            for p in frozen:
+                p.requires_grad_(False)
+            for batch, rows, nu in row_batches(
+                model,
+                lossfunc,
+                data,
+                _ROWS[fisher_type],
+                mc_samples,
+                progress,
+                "EKFAC eigenvalues",
+                normaliser,
+                num_samples,
+            ):
+                total += nu
+                count += batch.num_samples
+                for s, b in zip(sums, rest):
+                    s += b.squares(rows[b.name])
+        finally:
+            for p in frozen:
+                p.requires_grad_(True)
+        return sums, total, count
+
+    done, error = _dist.guarded(group, local, "EKFAC")
+    if group is None:
+        sums, total, count = done
+    else:
+        empty = ([torch.zeros_like(b.values) for b in rest], 0.0, 0)
+        sums, total, count = done if done is not None else empty
+        total, count = _dist.all_sum(
+            group, sums, [total, float(count)], error, "sum EKFAC's corrected eigenvalues"
+        )
+        count = int(count)
     normaliser_total = total if reduction_of(lossfunc, normaliser) == "mean" else 1.0
     for s, b in zip(sums, rest):
         b.values = s / normaliser_total
@@ -357,10 +390,14 @@ class EKFAC(CurvatureOperator):
         kfac_approx: "expand" or "reduce", the convention of the Kronecker factors.
         mc_samples: Number of sampled labels per sample for "mc".
         seed: Seed of the "mc" draws: `seed` for the factors, `seed + 1` for the corrected
-            eigenvalues (the global RNG is forked, not advanced).
+            eigenvalues (the global RNG is forked, not advanced; under torch.distributed rank
+            r adds r to both).
         progress: Show progress bars (tqdm).
         normaliser: Custom `(output, y) -> ν_b`.
         num_samples: Custom `X -> number of samples`.
+        distributed: `data` is this rank's shard (see `accumulate`): None (default) when
+            torch.distributed runs with more than one process, True, or False. Both sweeps are
+            then collectives and every rank gets the whole data set's operator.
 
     Its scale is the data-set loss's, like `KFAC`'s: the corrected eigenvalues are
     `R Σ_r (q_kᵀ u_r)²` with `R` the reduction factor (`1/ν` or 1). Cost: one sweep for the
@@ -382,6 +419,7 @@ class EKFAC(CurvatureOperator):
         progress: bool = False,
         normaliser: Normaliser | None = None,
         num_samples: Callable[[Any], int] | None = None,
+        distributed: bool | None = None,
     ) -> None:
         needs_reiterable(data, "EKFAC")
         kfac = KFAC(
@@ -395,16 +433,26 @@ class EKFAC(CurvatureOperator):
             progress=progress,
             normaliser=normaliser,
             num_samples=num_samples,
+            distributed=distributed,
         )
-        super().__init__(model, trainable(model))
+        super().__init__(kfac.model, trainable(kfac.model))
         self.kfac = kfac
         self.fisher_type = fisher_type
         self.blocks = kfac_eigenblocks(kfac)
+        group = kfac._group
+        if group is not None:  # one eigenbasis on every rank (eigh may differ across ranks)
+            vectors = _dist.all_reduce_flat(
+                group,
+                [q * (rank_of(group) == 0) for b in self.blocks for q in b.vectors],
+                "share EKFAC's eigenbases",
+            )
+            for b in self.blocks:
+                b.vectors = [vectors.pop(0) for _ in b.vectors]
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed + 1)
+            torch.manual_seed(seed + 1 + rank_of(group))
             total, count = _correct(
-                model,
+                kfac.model,
                 lossfunc,
                 data,
                 self.blocks,
@@ -413,6 +461,8 @@ class EKFAC(CurvatureOperator):
                 progress,
                 normaliser,
                 num_samples,
+                group,
+                distributed,
             )
         #: what the data-set loss divides its summed terms by (`ν` for "mean", 1 for "sum")
         self.normaliser_total = total if reduction_of(lossfunc, normaliser) == "mean" else 1.0

@@ -24,6 +24,13 @@ from backpack.curvature._data import (
     reduction_of,
     trainable,
 )
+from backpack.curvature._distributed import (
+    all_sum,
+    check_not_fully_sharded,
+    local_module,
+    process_group,
+    rank_of,
+)
 from backpack.curvature.accumulate import accumulate
 from backpack.curvature.operators import CurvatureOperator
 from backpack.extensions import KFAC as KFACExtension
@@ -156,7 +163,9 @@ class _GradientProjection(nn.Module):
         return (f * g).reshape(n, -1).sum(1, keepdim=True)
 
 
-def _empirical_factors(model, lossfunc, data, extension, progress, normaliser, num_samples):
+def _empirical_factors(
+    model, lossfunc, data, extension, progress, normaliser, num_samples, group, distributed
+):
     """`[G, A]` of the empirical Fisher `R Σ_n ∇ℓ_n ∇ℓ_nᵀ` (see `_GradientProjection`)."""
     wrapper = _GradientProjection(model, lossfunc, normaliser, num_samples)
     dtype = next(p for p in model.parameters() if p.requires_grad).dtype
@@ -174,7 +183,10 @@ def _empirical_factors(model, lossfunc, data, extension, progress, normaliser, n
         [extension],
         progress=progress,
         write=False,
+        distributed=distributed,
     )
+    if group is not None:  # every rank's sweep succeeded (accumulate agreed on it)
+        (wrapper.total,) = all_sum(group, [], [wrapper.total], None, "sum KFAC's normalisers")
     scale = 2 * (wrapper.total if wrapper.reduction == "mean" else 1.0)
     factors = result.quantity(extension.savefield)
     factors = {name[len("inner.") :]: [f[0] / scale, *f[1:]] for name, f in factors.items()}
@@ -195,10 +207,14 @@ class KFAC(CurvatureOperator):
         kfac_approx: "expand" or "reduce": the convention for layers sharing their weight over
             positions (sequences, convolutions), see the docs' "Transformers" page.
         mc_samples: Number of sampled labels for "mc".
-        seed: Seed of the "mc" draws (the global RNG is forked, not advanced).
+        seed: Seed of the "mc" draws (the global RNG is forked, not advanced; under
+            torch.distributed rank r draws from `seed + r`).
         progress: Show a progress bar (tqdm).
         normaliser: Custom `(output, y) -> ν_b`.
         num_samples: Custom `X -> number of samples`.
+        distributed: `data` is this rank's shard (see `accumulate`): None (default) when
+            torch.distributed runs with more than one process, True, or False. Every rank then
+            builds the whole data set's factors (a collective).
 
     The factors are those of the data-set loss (see `accumulate`): `A` averages all inputs of
     the data set, `G` sums the backpropagated outer products with the data-set loss's factor.
@@ -218,9 +234,14 @@ class KFAC(CurvatureOperator):
         progress: bool = False,
         normaliser: Normaliser | None = None,
         num_samples: Callable[[Any], int] | None = None,
+        distributed: bool | None = None,
     ) -> None:
+        model = local_module(model)
+        check_not_fully_sharded(model, "KFAC")
+        group = process_group(distributed, "KFAC")
         params = trainable(model)
         super().__init__(model, params)
+        self._group = group
         if fisher_type == "type-2":
             extension = KFLR(kfac_approx=kfac_approx)
         elif fisher_type == "mc":
@@ -236,11 +257,19 @@ class KFAC(CurvatureOperator):
         devices = [self.device] if self.device.type == "cuda" else []
         if fisher_type == "empirical":
             factors, total, count = _empirical_factors(
-                model, lossfunc, data, extension, progress, normaliser, num_samples
+                model,
+                lossfunc,
+                data,
+                extension,
+                progress,
+                normaliser,
+                num_samples,
+                group,
+                distributed,
             )
         else:
             with torch.random.fork_rng(devices=devices):
-                torch.manual_seed(seed)
+                torch.manual_seed(seed + rank_of(group))
                 result = accumulate(
                     model,
                     lossfunc,
@@ -250,6 +279,7 @@ class KFAC(CurvatureOperator):
                     normaliser=normaliser,
                     num_samples=num_samples,
                     write=False,
+                    distributed=distributed,
                 )
             factors = result.quantity(extension.savefield)
             total, count = result.normaliser, result.num_samples

@@ -28,6 +28,14 @@ from backpack.curvature._data import (
     sweep,
     trainable,
 )
+from backpack.curvature._distributed import (
+    all_sum,
+    check_not_fully_sharded,
+    guarded,
+    local_module,
+    process_group,
+    rank_of,
+)
 from backpack.curvature.accumulate import accumulate
 from backpack.curvature.cg import CGInfo, NotPositiveDefiniteError, conjugate_gradients
 from backpack.extensions import BatchGrad, DiagGGNExact, DiagHessian, SqrtGGNMC, SumGradSquared
@@ -218,7 +226,10 @@ class _DataOperator(CurvatureOperator):
     """An operator of a data-set loss: products sweep the data, summing batches' contributions.
 
     A batch contributes its product at the scale of `reduction="sum"` (`_batch_product`); the
-    sum over batches is divided by `ν` once for "mean".
+    sum over batches is divided by `ν` once for "mean". Under torch.distributed (`distributed`,
+    as in `accumulate`) `data` is this rank's shard: every product sums the ranks' partial
+    products and normalisers in one all-reduce, so it is a collective (every rank multiplies,
+    with the same matrix) and every rank gets the whole data set's product.
     """
 
     def __init__(
@@ -230,9 +241,14 @@ class _DataOperator(CurvatureOperator):
         column_chunk: int = 64,
         normaliser: Normaliser | None = None,
         num_samples: Callable[[Any], int] | None = None,
+        distributed: bool | None = None,
     ) -> None:
         needs_reiterable(data, type(self).__name__)
+        model = local_module(model)
+        check_not_fully_sharded(model, type(self).__name__)
         super().__init__(model, trainable(model))
+        self.distributed = distributed
+        self._group = process_group(distributed, type(self).__name__)
         self.lossfunc = lossfunc
         self.data = data
         self.progress = progress
@@ -286,14 +302,30 @@ class _DataOperator(CurvatureOperator):
         return sweep(self.data, self.progress, desc, self.num_samples)
 
     def _matmat(self, V: Tensor) -> Tensor:
-        out = torch.zeros_like(V)
-        total = 0.0
-        for batch in self._sweep(f"{type(self).__name__} @ [P, {V.shape[1]}]"):
-            contribution, nu = self._batch_product(batch, V)
-            total += nu
-            if contribution is not None:
-                out += contribution
+        def local() -> tuple[Tensor, float]:
+            out = torch.zeros_like(V)
+            total = 0.0
+            for batch in self._sweep(f"{type(self).__name__} @ [P, {V.shape[1]}]"):
+                contribution, nu = self._batch_product(batch, V)
+                total += nu
+                if contribution is not None:
+                    out += contribution
+            return out, total
+
+        out, total = self._global(local, torch.zeros_like(V))
         return out / total if self.reduction == "mean" else out
+
+    def _global(
+        self, local: Callable[[], tuple[Tensor, float]], empty: Tensor
+    ) -> tuple[Tensor, float]:
+        """This rank's `(summed product, ν)`, summed over the ranks under torch.distributed."""
+        group = self._group
+        done, error = guarded(group, local, type(self).__name__)
+        if group is None:
+            return done
+        out, total = done if done is not None else (empty, 0.0)
+        (total,) = all_sum(group, [out], [total], error, f"sum {type(self).__name__}'s products")
+        return out, total
 
     def _batch_product(self, batch: Batch, V: Tensor) -> tuple[Tensor | None, float]:
         raise NotImplementedError
@@ -324,6 +356,7 @@ class _DataOperator(CurvatureOperator):
             normaliser=self.normaliser,
             num_samples=self.num_samples,
             write=False,
+            distributed=self.distributed,
         )
         values = result.quantity(extension.savefield)
         return torch.cat([values[name].flatten() for name in self.names]), result
@@ -342,11 +375,15 @@ class GGN(_DataOperator):
         mc_samples: None for the exact GGN; an integer for the Monte-Carlo GGN (the type-2
             Fisher estimated with `mc_samples` sampled labels per sample, from backpack's
             `SqrtGGNMC`), a fixed matrix: every sweep draws the same labels from `seed`.
-        seed: Seed of the Monte-Carlo draws (the global RNG is forked, not advanced).
+        seed: Seed of the Monte-Carlo draws (the global RNG is forked, not advanced; under
+            torch.distributed rank r draws from `seed + r`).
         progress: Show a progress bar per sweep (tqdm).
         column_chunk: At most this many columns per batched product (memory).
         normaliser: Custom `(output, y) -> ν_b`.
         num_samples: Custom `X -> number of samples`.
+        distributed: `data` is this rank's shard of the data set (see `accumulate`): None
+            (default) when torch.distributed runs with more than one process, True, or False.
+            Products (and `diagonal()`) are then collectives giving the whole data set's.
 
     Cost: a product with K columns is one sweep: per batch one forward, K Jacobian-vector
     products, K loss-Hessian products and K vector-Jacobian products (vmapped), like
@@ -365,8 +402,11 @@ class GGN(_DataOperator):
         column_chunk: int = 64,
         normaliser: Normaliser | None = None,
         num_samples: Callable[[Any], int] | None = None,
+        distributed: bool | None = None,
     ) -> None:
-        super().__init__(model, lossfunc, data, progress, column_chunk, normaliser, num_samples)
+        super().__init__(
+            model, lossfunc, data, progress, column_chunk, normaliser, num_samples, distributed
+        )
         if mc_samples is not None and (
             isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1
         ):
@@ -410,7 +450,7 @@ class GGN(_DataOperator):
         params = trainable(self.model)
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(self.seed)
+            torch.manual_seed(self.seed + rank_of(self._group))
             for batch in self._sweep("GGN (MC)"):
                 with torch.enable_grad():
                     output = self.model(batch.X)
@@ -431,17 +471,22 @@ class GGN(_DataOperator):
                 yield factor.flatten(0, 1) * self._scale(nu) ** 0.5, nu
 
     def _mc_sweep(self, V: Tensor | None) -> Tensor:
-        out = torch.zeros_like(V) if V is not None else torch.zeros(self.shape[0], dtype=self.dtype)
-        out = out.to(self.device)
-        total = 0.0
-        for factor, nu in self._mc_factors():
-            total += nu
-            if factor is None:
-                continue
-            if V is None:
-                out += factor.square().sum(0)
-            else:
-                out += factor.T @ (factor @ V)
+        size = V.shape if V is not None else (self.shape[0],)
+        empty = torch.zeros(size, dtype=self.dtype, device=self.device)
+
+        def local() -> tuple[Tensor, float]:
+            out, total = empty.clone(), 0.0
+            for factor, nu in self._mc_factors():
+                total += nu
+                if factor is None:
+                    continue
+                if V is None:
+                    out += factor.square().sum(0)
+                else:
+                    out += factor.T @ (factor @ V)
+            return out, total
+
+        out, total = self._global(local, empty)
         return out / total if self.reduction == "mean" else out
 
     def diagonal(self) -> Tensor:
@@ -456,8 +501,9 @@ class Hessian(_DataOperator):
 
     Args: as `GGN` (without `mc_samples`, `seed`).
 
-    Cost: a product with K columns is one sweep: per batch a forward and backward with
-    `create_graph` and K reverse-over-reverse Hessian-vector products (vmapped).
+    Cost: a product with K columns is one sweep: per batch a forward, a backward with
+    `create_graph` and K backward passes through the gradient's graph (reverse-over-reverse
+    Hessian-vector products, vmapped over the K columns).
     `diagonal()` is exact: one `accumulate(DiagHessian())` sweep where backpack supports the
     model's layers, otherwise `P` Hessian-vector products (with a warning).
     `inverse(λ)` (conjugate gradients) needs `H + λI` positive definite, `λ > −λ_min(H)`: the
@@ -465,23 +511,37 @@ class Hessian(_DataOperator):
     """
 
     def _batch_product(self, batch, V):  # noqa: D102
-        params = self._params()
+        names, params = zip(*trainable(self.model))
+        with disable(), torch.enable_grad():
+            output = self.model(batch.X)
+            nu = self._nu(output.detach(), batch.y) if self.reduction == "mean" else 1.0
+            if self.reduction == "mean" and nu == 0:
+                return None, nu
+            loss = self.lossfunc(output, batch.y)
+            # reverse-over-reverse (forward-over-reverse trips over torch's zero tangents of some
+            # losses' targets, e.g. MSELoss): the gradient's graph is built once with plain
+            # autograd, and the K second backward passes through it are vmapped by torch.func
+            # (whose batching rules cover convolutions' double backward, unlike
+            # `is_grads_batched`); symmetric, so these vector-Jacobian products are H v
+            grads = torch.autograd.grad(
+                loss, params, create_graph=True, allow_unused=True, materialize_grads=True
+            )
+            live = [i for i, g in enumerate(grads) if g.requires_grad]
 
-        def loss_of(pdict):
-            return self.lossfunc(functional_call(self.model, pdict, (batch.X,)), batch.y)
+            def column(tangents: dict[str, Tensor]) -> dict[str, Tensor]:
+                if not live:
+                    return {name: torch.zeros_like(tangents[name]) for name in names}
+                hv = torch.autograd.grad(
+                    [grads[i] for i in live],
+                    params,
+                    [tangents[names[i]] for i in live],
+                    retain_graph=True,
+                    allow_unused=True,
+                    materialize_grads=True,
+                )
+                return dict(zip(names, hv))
 
-        with disable():
-            nu = 1.0
-            if self.reduction == "mean":
-                with torch.no_grad():
-                    nu = self._nu(self.model(batch.X), batch.y)
-                if nu == 0:
-                    return None, nu
-            with torch.enable_grad():
-                # symmetric: Hessian-vector products by reverse-over-reverse (forward-over-reverse
-                # trips over torch's zero tangents of some losses' targets, e.g. MSELoss)
-                _, hvp = vjp(grad(loss_of), params)
-                out = self._columns(V, vmap(lambda t: hvp(t)[0]))
+            out = self._columns(V, vmap(column))
         return out * self._scale(nu), nu
 
     def diagonal(self) -> Tensor:

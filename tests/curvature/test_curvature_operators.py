@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from curvature_problems import PROBLEMS, Reference
+from torch import nn
 
 from backpack.curvature import GGN, EmpiricalFisher, Hessian
 
@@ -144,3 +145,41 @@ def test_products_leave_a_users_grad_untouched(kind):
     op @ torch.ones(op.shape[0], 2, dtype=torch.float64)
     for n, p in model.named_parameters():
         assert torch.equal(p.grad, grads[n]), n
+
+
+class _WithUnused(nn.Module):
+    """A Linear layer and a trainable parameter the loss does not use."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.unused = nn.Parameter(torch.ones(2))
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def test_hessian_with_unused_parameter():
+    """Hessian products: zero rows and columns for a parameter outside the loss's graph."""
+    torch.manual_seed(0)
+    model = _WithUnused().double()
+    X = torch.randn(5, 3, dtype=torch.float64)
+    y = torch.randn(5, 2, dtype=torch.float64)
+    lossfunc = nn.MSELoss()
+    data = [(X[:2], y[:2]), (X[2:], y[2:])]
+    names = [n for n, _ in model.named_parameters()]
+    shapes = [p.shape for p in model.parameters()]
+    theta = torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    def loss_of(flat):
+        pieces = dict(
+            zip(
+                names,
+                (t.reshape(s) for t, s in zip(flat.split([s.numel() for s in shapes]), shapes)),
+            )
+        )
+        return lossfunc(torch.func.functional_call(model, pieces, (X,)), y)
+
+    expected = torch.autograd.functional.hessian(loss_of, theta)
+    close(Hessian(model, lossfunc, data).to_dense(), expected)
+    assert expected[:2].abs().max() == 0  # `unused` comes first (own parameters first)

@@ -1,0 +1,360 @@
+"""Checks run inside gloo processes by test_curvature_distributed.py (not collected by pytest).
+
+Each rank sweeps its own shard of a tiny float64 data set (the shards differ in their numbers
+and sizes of batches) with `distributed=True`, and compares with one process sweeping the
+concatenation of all shards (`distributed=False`, in the same worker). Each rank records every
+check's failure (or None) in `outdir/rank<r>.json` after every check.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from curvature_problems import PROBLEMS
+from torch import nn
+
+from backpack import distributed
+from backpack.curvature import EKFAC, GGN, KFAC, EmpiricalFisher, Hessian, accumulate
+from backpack.extensions import (
+    KFLR,
+    BatchDiagGGNExact,
+    BatchGrad,
+    BatchL2Grad,
+    DiagGGNExact,
+    DiagGGNMC,
+    DiagHessian,
+    SqrtGGNExact,
+    SumGradSquared,
+    Variance,
+)
+from backpack.passes import state
+
+#: batch sizes of each rank's shard (11 samples in all): uneven numbers and sizes of batches
+SHARDS = {2: [[3, 4], [1, 2, 1]], 3: [[2, 1, 3], [4], [1]]}
+#: per-sample quantities: the axis of the samples
+ROWS = {"grad_batch": 0, "batch_l2": 0, "diag_ggn_exact_batch": 0, "sqrt_ggn_exact": 1}
+
+
+def extensions() -> list:
+    return [
+        BatchGrad(),
+        BatchL2Grad(),
+        SumGradSquared(),
+        Variance(),
+        DiagGGNExact(),
+        BatchDiagGGNExact(),
+        SqrtGGNExact(),
+        DiagHessian(),
+        KFLR(),
+    ]
+
+
+def close(a, b, what: str) -> None:
+    if isinstance(a, (list, tuple)):
+        assert len(a) == len(b), what
+        for i, (x, y) in enumerate(zip(a, b)):
+            close(x, y, f"{what}[{i}]")
+        return
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+    assert torch.allclose(a, b, rtol=1e-9, atol=1e-12), (
+        f"{what}: max abs diff {(a - b).abs().max().item():.3e} (scale {b.abs().max().item():.3e})"
+    )
+
+
+def shards(name: str, rank: int, world: int):
+    """This rank's batches, the concatenated data set's batches, this rank's sample range."""
+    problem = PROBLEMS[name]
+    sizes = [s for shard in SHARDS[world] for s in shard]
+    everything = problem.batches(sizes)
+    before = sum(len(s) for s in SHARDS[world][:rank])
+    mine = everything[before : before + len(SHARDS[world][rank])]
+    start = sum(sum(s) for s in SHARDS[world][:rank])
+    return problem, mine, everything, start, start + sum(SHARDS[world][rank])
+
+
+def rows_of(value, axis: int, start: int, stop: int):
+    index = [slice(None)] * value.dim()
+    index[axis] = slice(start, stop)
+    return value[tuple(index)]
+
+
+class NoPassSync:
+    """Fails if backpack's per-pass synchronisation is set up inside a sweep (double counting)."""
+
+    def __enter__(self):
+        self.factory = state._SYNC_FACTORY[0]
+        self.made = 0
+
+        def factory(sync, exts):
+            made = self.factory(sync, exts)
+            self.made += made is not None
+            return made
+
+        state.register_sync_factory(factory)
+        return self
+
+    def __exit__(self, *exc):
+        state.register_sync_factory(self.factory)
+        assert self.made == 0, f"{self.made} per-pass PassSync inside a sweep"
+
+
+def accumulate_case(name: str, reduction: str):
+    def check(rank: int, world: int) -> None:
+        problem, mine, everything, start, stop = shards(name, rank, world)
+        model, ref = problem.model(), problem.model()
+        lossfunc = problem.make_loss(reduction)
+        with NoPassSync():
+            result = accumulate(model, lossfunc, mine, extensions(), distributed=True)
+        expected = accumulate(ref, lossfunc, everything, extensions(), distributed=False)
+        assert result.total == expected.total, (result.total, expected.total)
+        assert result.num_samples == expected.num_samples == problem.N
+        assert result.num_batches == expected.num_batches and result.ranks == world
+        for (pname, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            close(p.grad, q.grad, f"{pname}.grad")
+            for field in expected.savefields:
+                if field in ROWS:
+                    value = rows_of(getattr(q, field), ROWS[field], start, stop)
+                else:
+                    value = getattr(q, field)
+                close(getattr(p, field), value, f"{pname}.{field}")
+
+    return check
+
+
+def streamed(rank: int, world: int) -> None:
+    """Rows streamed to a callback: ν counted over all ranks first, rows of the whole data set."""
+    problem, mine, everything, start, stop = shards("mlp_ce", rank, world)
+    model, ref = problem.model(), problem.model()
+    lossfunc = problem.make_loss("mean")
+    got: dict[str, list] = {}
+    result = accumulate(
+        model,
+        lossfunc,
+        mine,
+        [BatchGrad(), DiagGGNExact()],
+        callback=lambda i, pname, value: got.setdefault(pname, []).append(value),
+    )  # distributed=None: on, torch.distributed runs with several processes
+    assert result.stream_total == problem.normaliser("mean")
+    accumulate(ref, lossfunc, everything, [BatchGrad(), DiagGGNExact()], distributed=False)
+    for (pname, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        close(torch.cat(got[pname]), q.grad_batch[start:stop], f"{pname} streamed rows")
+        close(p.diag_ggn_exact, q.diag_ggn_exact, f"{pname}.diag_ggn_exact")
+
+
+def operators_case(name: str, reduction: str):
+    def check(rank: int, world: int) -> None:
+        problem, mine, everything, _, _ = shards(name, rank, world)
+        model = problem.model()
+        lossfunc = problem.make_loss(reduction)
+        P = sum(p.numel() for p in model.parameters())
+        V = torch.randn(P, 3, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+        for Op in (GGN, Hessian, EmpiricalFisher):
+            op = Op(model, lossfunc, mine, distributed=True)
+            ref = Op(model, lossfunc, everything, distributed=False)
+            with NoPassSync():
+                close(op @ V, ref @ V, f"{Op.__name__} @ V")
+            close(op @ V[:, 0], ref @ V[:, 0], f"{Op.__name__} @ v")
+            close(op.diagonal(), ref.diagonal(), f"{Op.__name__}.diagonal()")
+            close(op.trace(), ref.trace(), f"{Op.__name__}.trace()")
+        x = GGN(model, lossfunc, mine, distributed=True).inverse(0.1) @ V
+        close(x, GGN(model, lossfunc, everything, distributed=False).inverse(0.1) @ V, "CG")
+        for fisher_type in ("type-2", "empirical"):
+            for approx in ("expand", "reduce"):
+                kwargs = {"fisher_type": fisher_type, "kfac_approx": approx}
+                op = KFAC(model, lossfunc, mine, distributed=True, **kwargs)
+                ref = KFAC(model, lossfunc, everything, distributed=False, **kwargs)
+                for pname in op.factors:
+                    close(op.factors[pname], ref.factors[pname], f"KFAC {kwargs} {pname}")
+                close(op @ V, ref @ V, f"KFAC {kwargs} @ V")
+                assert op.normaliser_total == ref.normaliser_total
+            op = EKFAC(model, lossfunc, mine, fisher_type=fisher_type, distributed=True)
+            ref = EKFAC(model, lossfunc, everything, fisher_type=fisher_type, distributed=False)
+            close(op @ V, ref @ V, f"EKFAC {fisher_type} @ V")
+            assert op.num_samples_total == ref.num_samples_total == problem.N
+
+    return check
+
+
+def monte_carlo(rank: int, world: int) -> None:
+    """Monte-Carlo quantities: every rank gets the same global result (draws seeded per rank)."""
+    problem, mine, _, _, _ = shards("mlp_ce", rank, world)
+    model = problem.model()
+    lossfunc = problem.make_loss("mean")
+    P = sum(p.numel() for p in model.parameters())
+    V = torch.randn(P, 2, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    values = [
+        GGN(model, lossfunc, mine, mc_samples=2) @ V,
+        KFAC(model, lossfunc, mine, fisher_type="mc") @ V,
+        torch.cat(
+            [
+                v.flatten()
+                for v in accumulate(model, lossfunc, mine, DiagGGNMC())
+                .quantity("diag_ggn_mc")
+                .values()
+            ]
+        ),
+    ]
+    for i, value in enumerate(values):
+        gathered = [torch.zeros_like(value) for _ in range(world)]
+        dist.all_gather(gathered, value)
+        for other in gathered:
+            assert torch.equal(other, value), f"value {i} differs between ranks"
+
+
+def ddp_model(rank: int, world: int) -> None:
+    """A DistributedDataParallel model: swept without DDP's per-batch gradient all-reduce."""
+    problem, mine, everything, _, _ = shards("mlp_mse", rank, world)
+    model, ref = problem.model(), problem.model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    lossfunc = problem.make_loss("mean")
+    result = accumulate(ddp, lossfunc, mine, [DiagGGNExact(), Variance()])
+    accumulate(ref, lossfunc, everything, [DiagGGNExact(), Variance()], distributed=False)
+    assert result.names == [n for n, _ in ref.named_parameters()]
+    for (pname, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        close(p.grad, q.grad, f"{pname}.grad")
+        close(p.variance, q.variance, f"{pname}.variance")
+    op = GGN(ddp, lossfunc, mine)
+    V = torch.ones(op.shape[0], 2, dtype=torch.float64)
+    close(op @ V, GGN(ref, lossfunc, everything, distributed=False) @ V, "GGN(ddp) @ V")
+
+
+def _expect(rank: int, bad: int, run: Callable[[], None], own: type, match: str) -> None:
+    expected = own if rank == bad else RuntimeError
+    try:
+        run()
+    except expected as err:
+        assert (match if rank == bad else f"rank {bad} failed") in str(err) or (
+            rank != bad and "another rank failed" in str(err)
+        ), err
+    else:
+        raise AssertionError("no error")
+
+
+def failing_rank(rank: int, world: int) -> None:
+    """A rank whose sweep fails: it raises its error, the others raise at once (no hang)."""
+    problem, mine, _, _, _ = shards("mlp_ce", rank, world)
+    lossfunc = problem.make_loss("mean")
+    bad = world - 1
+    data = mine if rank != bad else [(mine[0][0][:, :3], mine[0][1])]  # wrong input width
+
+    def sweep():
+        accumulate(problem.model(), lossfunc, data, DiagGGNExact(), distributed=True)
+
+    _expect(rank, bad, sweep, RuntimeError, "mat1 and mat2")
+
+    def product():
+        op = GGN(problem.model(), lossfunc, data, distributed=True)
+        op @ torch.ones(op.shape[0], dtype=torch.float64)
+
+    _expect(rank, bad, product, RuntimeError, "mat1 and mat2")
+    empty = mine if rank != bad else []
+    _expect(
+        rank,
+        bad,
+        lambda: accumulate(problem.model(), lossfunc, empty, DiagGGNExact()),
+        ValueError,
+        "empty data set",
+    )
+    # still in step: a global sweep works afterwards
+    accumulate_case("mlp_ce", "sum")(rank, world)
+
+
+def different_models(rank: int, world: int) -> None:
+    problem, mine, _, _, _ = shards("mlp_ce", rank, world)
+    model = problem.model()
+    if rank == 0:
+        with torch.no_grad():
+            next(model.parameters()).add_(1.0)
+    try:
+        accumulate(model, problem.make_loss("mean"), mine, DiagGGNExact())
+    except RuntimeError as err:
+        assert "different models" in str(err), err
+    else:
+        raise AssertionError("no error")
+
+
+def fully_sharded(rank: int, world: int) -> None:
+    """FSDP2 runs on CPU/gloo, but a sharded model is refused; the documented recipe works."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    problem, mine, everything, _, _ = shards("mlp_ce", rank, world)
+    lossfunc = problem.make_loss("mean")
+    model = problem.model()
+    fully_shard(model)
+    for run in (
+        lambda: accumulate(model, lossfunc, mine, DiagGGNExact()),
+        lambda: GGN(model, lossfunc, mine),
+        lambda: KFAC(model, lossfunc, mine),
+    ):
+        try:
+            run()
+        except NotImplementedError as err:
+            assert "fully_shard" in str(err) and "replicated copy" in str(err), err
+        else:
+            raise AssertionError("fully_shard was not refused")
+    # the recipe: a replicated copy, swept with distributed=True, each rank keeps its shard
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    copy = problem.make_model().double()
+    copy.load_state_dict(full)
+    result = accumulate(copy, lossfunc, mine, [DiagGGNExact(), SumGradSquared()], write=False)
+    ref = problem.model()
+    accumulate(ref, lossfunc, everything, DiagGGNExact(), distributed=False)
+    diag = result.quantity("diag_ggn_exact")
+    for pname, p in model.named_parameters():
+        local = p.to_local()
+        chunks = diag[pname].chunk(world, dim=0)
+        chunk = chunks[rank] if rank < len(chunks) else None
+        expected = dict(ref.named_parameters())[pname].diag_ggn_exact
+        assert local.shape[0] == (0 if chunk is None else chunk.shape[0])
+        if chunk is not None:
+            close(chunk, expected.chunk(world, dim=0)[rank], f"{pname} shard of the diagonal")
+
+
+MAIN: list[tuple[str, Callable]] = [
+    ("accumulate-mlp_ce-mean", accumulate_case("mlp_ce", "mean")),
+    ("accumulate-mlp_mse-sum", accumulate_case("mlp_mse", "sum")),
+    ("accumulate-cnn_ce-sum", accumulate_case("cnn_ce", "sum")),
+    ("accumulate-token_ce-mean", accumulate_case("token_ce", "mean")),
+    ("streamed", streamed),
+    ("operators-mlp_ce-mean", operators_case("mlp_ce", "mean")),
+    ("operators-mlp_mse-sum", operators_case("mlp_mse", "sum")),
+    ("monte-carlo", monte_carlo),
+    ("ddp-model", ddp_model),
+    ("failing-rank", failing_rank),
+    ("different-models", different_models),
+    ("fully-sharded", fully_sharded),  # last: the sharded model stays registered with FSDP
+]
+SCENARIOS = {"main": MAIN}
+
+
+def worker(rank: int, world: int, port: int, scenario: str, outdir: str) -> None:
+    torch.set_num_threads(1)
+    distributed.TIMEOUT_S = 60.0
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    results: dict[str, str | None] = {}
+    path = os.path.join(outdir, f"rank{rank}.json")
+    for name, check in SCENARIOS[scenario]:
+        try:
+            check(rank, world)
+            results[name] = None
+        except Exception:  # noqa: BLE001 - every failure is reported by name
+            results[name] = traceback.format_exc(limit=8)[-3000:]
+        with open(path + ".tmp", "w") as f:
+            json.dump(results, f)
+        os.replace(path + ".tmp", path)
+    sys.stdout.flush()
+    os._exit(0)
