@@ -320,7 +320,14 @@ def _correct(
             # the rotation puts computation between a layer and the loss that backpack needs
             # to see as a reshape (token losses on flattened logits): rotate rows instead
             targets = {}
-    rest = [b for b in blocks if b.name not in targets]
+    # for the GGN, a block with one dense factor holds the exact block B (biases, layers without
+    # a Kronecker rule: Σ over samples and outputs of (Σ_positions s)(Σ_positions s)ᵀ), so qᵀ B q
+    # is B's eigenvalue, the value it already has. Not so for sampled draws ("mc": the
+    # correction takes fresh ones) nor for the empirical factors of token losses.
+    exact_dense = fisher_type == "type-2"
+    rest = [
+        b for b in blocks if b.name not in targets and not (exact_dense and len(b.vectors) == 1)
+    ]
     if targets:
         diagonal = result.quantity(extension.savefield)
         # SumGradSquared holds Σ_n (∇ℓ_n / ν)²: one factor ν back to R Σ_n (qᵀ∇ℓ_n)²

@@ -186,3 +186,15 @@ def test_linear_weights_take_the_rotated_diagonal_unless_that_changes_the_functi
         ref = Reference(problem, model, "mean")
         kfac = KFAC(model, nn.CrossEntropyLoss(), batches, fisher_type=fisher)
         close(op.to_dense(), brute_force(kfac, ref, explicit(ref, fisher)))
+
+
+@pytest.mark.parametrize("name", ["cnn_ce", "token_ce"])
+def test_ekfac_reduce_matches_brute_force(name):
+    """kfac_approx="reduce": another eigenbasis, the same correction (dense blocks included)."""
+    problem = PROBLEMS[name]
+    model = problem.model()
+    lossfunc = problem.make_loss("mean")
+    op = EKFAC(model, lossfunc, problem.batches(SIZES), kfac_approx="reduce")
+    kfac = KFAC(model, lossfunc, problem.batches(SIZES), kfac_approx="reduce")
+    ref = Reference(problem, model, "mean")
+    close(op.to_dense(), brute_force(kfac, ref, ref.ggn()))
