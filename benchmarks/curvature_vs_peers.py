@@ -137,9 +137,11 @@ def matvec_rows(
         a, b, ratio = paired(o, t, repeats)
         rows.append(f"| {name} | {label} | {rel(a, b):.1e} | — | {ratio:.2f} |")
 
-    def kron(ours_cls, theirs_cls, fisher, ours_fisher, mc=1):
+    def kron(ours_cls, theirs_cls, fisher, ours_fisher, mc=1, approx="expand"):
         def o():
-            op = ours_cls(model, loss, data, fisher_type=ours_fisher, mc_samples=mc)
+            op = ours_cls(
+                model, loss, data, fisher_type=ours_fisher, mc_samples=mc, kfac_approx=approx
+            )
             return op @ V
 
         def t():
@@ -151,7 +153,7 @@ def matvec_rows(
                 check_deterministic=False,
                 fisher_type=fisher,
                 mc_samples=mc,
-                kfac_approx="expand",
+                kfac_approx=approx,
             )
             return op @ V
 
@@ -165,15 +167,23 @@ def matvec_rows(
             start = end
         return "; ".join(out)
 
-    if only is not None:
-        return rows
+    K, E = C.KFACLinearOperator, C.EKFACLinearOperator
     kcases = [
-        ("KFAC type-2", *kron(KFAC, C.KFACLinearOperator, "type-2", "type-2")),
-        ("EKFAC type-2", *kron(EKFAC, C.EKFACLinearOperator, "type-2", "type-2")),
+        ("KFAC type-2", *kron(KFAC, K, "type-2", "type-2")),
+        ("KFAC type-2 reduce", *kron(KFAC, K, "type-2", "type-2", approx="reduce")),
+        ("KFAC empirical", *kron(KFAC, K, "empirical", "empirical")),
+        ("KFAC empirical reduce", *kron(KFAC, K, "empirical", "empirical", approx="reduce")),
+        ("EKFAC type-2", *kron(EKFAC, E, "type-2", "type-2")),
+        ("EKFAC type-2 reduce", *kron(EKFAC, E, "type-2", "type-2", approx="reduce")),
+        ("EKFAC empirical", *kron(EKFAC, E, "empirical", "empirical")),
     ]
     for label, o, t in kcases:
+        if only is not None and label not in only:
+            continue
         a, b, ratio = paired(o, t, repeats)
         rows.append(f"| {name} | {label} | {rel(a, b):.1e} | {per_block(a, b)} | {ratio:.2f} |")
+    if only is not None and "KFAC MC" not in only:
+        return rows
     # Monte Carlo: different generators; distance of each to the type-2 product
     mc = 20
     o, t = kron(KFAC, C.KFACLinearOperator, "mc", "mc", mc)
@@ -250,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         nargs="+",
         default=None,
-        help="run only these exact-operator rows (GGN, Hessian, EmpiricalFisher), no others",
+        help="run only the product rows with these labels (e.g. Hessian, 'KFAC type-2 reduce', "
+        "'KFAC MC'), no spectrum rows",
     )
     args = parser.parse_args(argv)
     if not peers_available():
