@@ -1,0 +1,144 @@
+"""Sequence models: per-token scores and the factored products of Linear-like layers.
+
+Brute force: the term of position t of a sequence's gradient is the gradient w.r.t. a copy of
+every parameter used at position t only (`TinyGPT.functional`), in float64.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from influence_problems import PROBLEMS, Reference, TinyGPT
+from test_influence_attribution import approximation, close
+from torch import nn
+
+from backpack.influence import _sites, fit
+
+STRATEGIES = ["identity", "diagonal", "kfac", "ekfac"]
+
+
+def gpt_problem(tied=False, layout="rows"):
+    problem = PROBLEMS["gpt"]
+    problem = type(problem)(**{**problem.__dict__})
+    problem.make_model = lambda: TinyGPT(tied=tied, layout=layout)
+    problem.flatten_targets = layout == "rows"
+    if tied:  # the shared weight's Kronecker factors are the head's, in its own layout
+        problem.transposed = {"pos.weight"}
+    return problem
+
+
+def preconditioner(strategy, problem, model, ref, damping):
+    if strategy == "identity":
+        return torch.eye(ref.theta.numel(), dtype=torch.float64)
+    M = approximation(strategy, "empirical", problem, model, ref, "mean")
+    return torch.linalg.inv(M + damping * torch.eye(M.shape[0], dtype=M.dtype))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize(
+    "tied, layout", [(False, "rows"), (True, "rows"), (False, "channels")], ids=str
+)
+def test_per_token_scores_match_brute_force(strategy, tied, layout):
+    problem = gpt_problem(tied, layout)
+    model = problem.model()
+    lossfunc = problem.make_loss("mean")
+    influence = fit(model, lossfunc, problem.train(), strategy, damping=0.1, fisher="empirical")
+    ref = Reference(problem, model)
+    terms = ref.terms(problem.X, problem.Y)  # [n, T, P]
+    close(terms.sum(1), ref.train_grads())  # the terms add up to the gradients
+    inverse = preconditioner(strategy, problem, model, ref, 0.1)
+    expected = torch.einsum("qp,pr,ntr->qnt", ref.query_grads(), inverse, terms)
+    per_token = influence.scores(problem.query(), problem.train(size=3), per_token=True)
+    close(per_token, expected)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # tied weights: every use recorded, no coverage warning
+        scores = influence.scores(problem.query(), problem.train(size=3))
+    close(scores, expected.sum(-1))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_factored_products_equal_the_dense_path(strategy, monkeypatch):
+    """Every choice of the cost model gives the dense path's numbers (float64)."""
+    problem = gpt_problem()
+    model = problem.model()
+    influence = fit(model, problem.make_loss("mean"), problem.train(), strategy, damping=0.1)
+    query, train = problem.query(), problem.train(size=4)
+    reference = influence.scores(query, train, factored=False)
+    self_reference = influence.self_scores(train, factored=False)
+    choices = []
+    for how in ("dense", "factored", "ghost"):
+
+        def forced(site, queries, positions=None, how=how):
+            choice = how if how != "ghost" or positions is not None else "factored"
+            choices.append(choice)
+            return choice
+
+        monkeypatch.setattr("backpack.influence.attribution.choose", forced)
+        close(influence.scores(query, train), reference)
+    assert "factored" in choices and "dense" in choices
+    assert ("ghost" in choices) == (strategy == "identity")
+    for ghost in (True, False):
+        monkeypatch.setattr("backpack.influence.attribution.norm_is_ghost", lambda s, g=ghost: g)
+        close(influence.self_scores(train), self_reference)
+
+
+def test_cost_model():
+    a = torch.zeros(2, 1, 30)
+    b = torch.zeros(2, 1, 20)
+    one_position = _sites.Site("outer", (20, 30), b, a)
+    assert _sites.choose(one_position, queries=100) == "factored"  # T = 1: Q N m k vs (Q+1) N m k
+    long = _sites.Site("outer", (20, 30), torch.zeros(2, 64, 20), torch.zeros(2, 64, 30))
+    assert _sites.choose(long, queries=100) == "dense"
+    assert _sites.choose(long, queries=1) == "factored"
+    short = _sites.Site("outer", (200, 300), torch.zeros(2, 3, 200), torch.zeros(2, 3, 300))
+    assert _sites.choose(short, queries=4, query_positions=2) == "ghost"
+    assert _sites.norm_is_ghost(short) and not _sites.norm_is_ghost(long)
+
+
+def test_per_token_needs_position_wise_layers():
+    problem = PROBLEMS["transformer"]  # nn.MultiheadAttention
+    model = problem.model()
+    influence = fit(model, problem.make_loss("mean"), problem.train(), "identity")
+    with pytest.raises(ValueError, match="attn.in_proj_weight"):
+        influence.scores(problem.query(), problem.train(), per_token=True)
+    model.attn.requires_grad_(False)
+    influence = fit(model, problem.make_loss("mean"), problem.train(), "identity")
+    tokens = influence.scores(problem.query(), problem.train(), per_token=True)
+    assert tokens.shape == (3, 11, 3)
+    close(tokens.sum(-1), influence.scores(problem.query(), problem.train()))
+
+
+def test_per_token_refuses_mixed_lengths():
+    problem = gpt_problem()
+    model = problem.model()
+    influence = fit(model, problem.make_loss("sum"), problem.train(), "identity")
+    train = [
+        (problem.X[:3], problem.Y[:3].flatten()),
+        (problem.X[3:6, :4], problem.Y[3:6, :4].flatten()),
+    ]
+    with pytest.raises(ValueError, match="pad sequences"):
+        influence.scores(problem.query(), train, per_token=True)
+
+
+def test_padding_idx_rows_get_no_terms():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(5, 3, padding_idx=0), nn.Linear(3, 4)).double()
+    X = torch.tensor([[0, 1, 2], [3, 0, 4]])
+    Y = torch.tensor([[1, 2, 3], [0, 1, 2]])
+    data = [(X, Y.flatten())]
+
+    class Rows(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = model
+
+        def forward(self, x):
+            return self.net(x).flatten(0, 1)
+
+    wrapped = Rows()
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    influence = fit(wrapped, loss, data, "identity")
+    tokens = influence.scores(data, data, per_token=True)
+    close(tokens.sum(-1), influence.scores(data, data, factored=False))
