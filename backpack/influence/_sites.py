@@ -22,6 +22,7 @@ below instead of their per-sample gradients; every other layer gets backpack's `
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -43,7 +44,7 @@ from backpack.extensions.firstorder import FirstOrderModuleExtension
 #: the attribute that collects a parameter's sites during one backward
 _FIELD = "_influence_sites"
 #: most entries of one intermediate tensor of the factored products (chunked over queries)
-CHUNK_ENTRIES = 1 << 24
+CHUNK_ENTRIES = 1 << 19
 _CONV1D = "transformers.pytorch_utils.Conv1D"
 
 
@@ -79,9 +80,16 @@ class Site:
         """The site of `factor × G`."""
         if factor == 1.0:
             return self
+        if self.kind == "sample":  # backpack's grad_batch, ours alone: scaled in place
+            return Site(self.kind, self.shape, self.left.mul_(factor))
         if self.kind in ("outer", "rows"):
             return Site(self.kind, self.shape, self.left, self.right * factor)
         return Site(self.kind, self.shape, self.left * factor)
+
+    def select(self, start: int, stop: int) -> Site:
+        """The site of samples `start:stop`."""
+        right = None if self.right is None else self.right[start:stop]
+        return Site(self.kind, self.shape, self.left[start:stop], right)
 
     def dense(self) -> Tensor:
         """`[N, *shape]` per-sample gradients."""
@@ -119,11 +127,13 @@ class Site:
         if m > k:  # contract the larger side first: intermediate [Q_c, k, NT]
             M, L, R, m, k = M.transpose(1, 2), R, L, k, m
         per = m * n * t
-        out = []
+        out = M.new_empty(q, n * t)
+        start = 0
         for chunk in M.split(max(1, CHUNK_ENTRIES // max(per, 1))):
-            y = (chunk.reshape(-1, k) @ R.T).reshape(chunk.shape[0], m, n * t)  # M_q R_ntᵀ
-            out.append(torch.einsum("qmp,pm->qp", y, L).reshape(-1, n, t))
-        return torch.cat(out)
+            y = (chunk.reshape(-1, k) @ R.T).view(chunk.shape[0], m, n * t)  # M_q R_ntᵀ
+            torch.sum(y.mul_(L.T), dim=1, out=out[start : start + chunk.shape[0]])
+            start += chunk.shape[0]
+        return out.view(q, n, t)
 
     def ghost_products(self, query: Site) -> Tensor:
         """`[Q, N]`: `⟨G_q, G_n⟩` of two "outer" sites, from Gram matrices of the factors."""
@@ -348,9 +358,26 @@ def site_batches(
         yield batch, result
 
 
-def dense(sites: list[Site]) -> Tensor:
-    """`[N, *shape]`: the per-sample gradients of a parameter's sites."""
+def dense(sites: list[Site], start: int = 0, stop: int | None = None) -> Tensor:
+    """`[N, *shape]`: the per-sample gradients of a parameter's sites (samples `start:stop`)."""
+    if start != 0 or stop is not None:
+        stop = sites[0].num_samples if stop is None else stop
+        sites = [s.select(start, stop) for s in sites]
     out = sites[0].dense()
     for s in sites[1:]:
         out = out + s.dense()
     return out
+
+
+def square_sum(sites: list[Site]) -> Tensor:
+    """`Σ_n G_n²` (elementwise) of a parameter's sites: `(L²)ᵀ R²` for one position, else chunks."""
+    if len(sites) == 1 and sites[0].kind == "outer" and sites[0].positions == 1:
+        site = sites[0]
+        return site.left[:, 0].square().T @ site.right[:, 0].square()
+    n = sites[0].num_samples
+    step = max(1, CHUNK_ENTRIES // max(math.prod(sites[0].shape), 1))
+    total = None
+    for start in range(0, n, step):
+        part = dense(sites, start, min(start + step, n)).square().sum(0)
+        total = part if total is None else total + part
+    return total

@@ -18,6 +18,7 @@ The strategy approximates `F` (block diagonal over the parameters except "identi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -29,12 +30,14 @@ from backpack.curvature._rows import row_batches
 from backpack.curvature.ekfac import EKFAC, EigenBlock, kfac_eigenblocks
 from backpack.curvature.kfac import KFAC
 from backpack.influence._sites import (
+    CHUNK_ENTRIES,
     Site,
     choose,
     dense,
     norm_is_ghost,
     recorded_classes,
     site_batches,
+    square_sum,
 )
 
 __all__ = ["Influence", "fit", "load", "STRATEGIES"]
@@ -56,6 +59,16 @@ def _diagonal_blocks(
     count = 0
     devices = [p.device for _, p in params[:1] if p.device.type == "cuda"]
     kind = {"true": "mc", "type-2": "type-2", "empirical": "grad"}[fisher]
+    if fisher == "empirical":  # the gradients' squares, from factors where they allow
+        classes, _ = recorded_classes(model, False)
+        for batch, sites in site_batches(
+            model, lossfunc, data, classes, progress, "diagonal", normaliser, num_samples
+        ):
+            count += batch.num_samples
+            for name, value in sites.items():
+                sums[name] += square_sum(value)
+            del sites
+        return _diagonal_result(params, sums, count), count
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         for batch, rows, _ in row_batches(
@@ -64,11 +77,14 @@ def _diagonal_blocks(
             count += batch.num_samples
             for name, value in rows.items():
                 sums[name] += value.square().sum(0).detach()
-    blocks = [
+    return _diagonal_result(params, sums, count), count
+
+
+def _diagonal_result(params, sums, count) -> list[EigenBlock]:
+    return [
         EigenBlock(name, tuple(p.shape), [], (sums[name] / count).flatten().detach(), False)
         for name, p in params
     ]
-    return blocks, count
 
 
 class Influence:
@@ -175,6 +191,22 @@ class Influence:
             self.num_samples,
         )
 
+    def _precondition_sites(self, sites: list[Site], block: EigenBlock | None) -> Tensor:
+        """`(F + λI)⁻¹ g` block `[N, numel]` of one parameter, a few samples at a time."""
+        n = sites[0].num_samples
+        numel = math.prod(sites[0].shape)
+        if block is None:  # identity
+            return dense(sites).reshape(n, numel)
+        out = None
+        step = max(1, CHUNK_ENTRIES // max(numel, 1))
+        scale = self._scale(block)
+        for start in range(0, n, step):
+            value = block.apply(dense(sites, start, min(start + step, n)), scale)
+            if out is None:
+                out = value.new_empty(n, numel)
+            out[start : start + value.shape[0]] = value
+        return out
+
     def _query(
         self, query_data: Iterable, progress: bool, factored: bool
     ) -> tuple[dict[str, Tensor], int, dict[str, Site | None]]:
@@ -184,18 +216,24 @@ class Influence:
         """
         pieces: dict[str, list[Tensor]] = {}
         factors: dict[str, list[Site] | None] = {}
+        blocks = {b.name: b for b in self.blocks} if self.blocks is not None else {}
         for _, sites in self._sites(query_data, progress, False, factored, "query gradients"):
-            rows = {name: dense(value) for name, value in sites.items()}
-            for name, value in self.precondition(rows).items():
-                pieces.setdefault(name, []).append(value)
+            for name, value in sites.items():
+                pieces.setdefault(name, []).append(
+                    self._precondition_sites(value, blocks.get(name))
+                )
             for name, value in sites.items():
                 keep = self.strategy == "identity" and len(value) == 1 and value[0].kind == "outer"
                 if not keep:
                     factors[name] = None
                 elif factors.setdefault(name, []) is not None:
                     factors[name].append(value[0])
-            del rows, sites
-        merged = {name: torch.cat(values) for name, values in pieces.items()}
+            del sites
+        merged = {}
+        for name in list(pieces):  # one parameter's copy at a time
+            values = pieces.pop(name)
+            merged[name] = values[0] if len(values) == 1 else torch.cat(values)
+            del values
         ghost: dict[str, Site | None] = {}
         for name, value in factors.items():
             same = value is not None and len({s.positions for s in value}) == 1

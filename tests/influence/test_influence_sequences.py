@@ -142,3 +142,21 @@ def test_padding_idx_rows_get_no_terms():
     influence = fit(wrapped, loss, data, "identity")
     tokens = influence.scores(data, data, per_token=True)
     close(tokens.sum(-1), influence.scores(data, data, factored=False))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_chunked_products_give_the_same_numbers(name, strategy, monkeypatch):
+    """Tiny chunks (one query, one sample at a time) change nothing."""
+    problem = PROBLEMS[name]
+    model = problem.model()
+    lossfunc = problem.make_loss("mean")
+    influence = fit(model, lossfunc, problem.train(), strategy, fisher="empirical")
+    expected = influence.scores(problem.query(), problem.train(), factored=False)
+    self_expected = influence.self_scores(problem.train(), factored=False)
+    monkeypatch.setattr("backpack.influence._sites.CHUNK_ENTRIES", 1)
+    monkeypatch.setattr("backpack.influence.attribution.CHUNK_ENTRIES", 1)
+    chunked = fit(model, lossfunc, problem.train(), strategy, fisher="empirical")
+    close(chunked.scores(problem.query(), problem.train()), expected)
+    close(chunked.scores(problem.query(), problem.train(), per_token=True).sum(-1), expected)
+    close(chunked.self_scores(problem.train()), self_expected)
