@@ -350,6 +350,44 @@ def gpt_full_ekfac(n: int, batch: int) -> tuple[int, float]:
     return sum(p.numel() for p in model.parameters()), time.perf_counter() - start
 
 
+def factored_vs_dense(
+    context: int = 32, dim: int = 128, n_train: int = 32, batch: int = 16, repeats: int = 5
+) -> list[tuple[str, int, float, float]]:
+    """Scores of a GPT on sequences with the factored products vs per-sample gradients.
+
+    Rows `(strategy, n_query, time ratio, peak-memory ratio)`, factored / dense
+    (`scores(..., factored=False)`), fit excluded; every parameter scored.
+    """
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    model = TinyGPT(vocab=64, context=context, dim=dim, heads=4).double()
+    tokens = torch.randint(0, 64, (n_train + 8, context + 1), generator=gen)
+    X, y = tokens[:, :-1], tokens[:, 1:]
+    train = batches(X[:n_train], y[:n_train], batch)
+    rows = []
+    for strategy in ("identity", "diagonal"):
+        influence = fit(model, nn.CrossEntropyLoss(), train, strategy, fisher="empirical")
+        for n_query in (1, 8):
+            query = batches(X[n_train : n_train + n_query], y[n_train : n_train + n_query], 8)
+
+            def run(factored: bool, query=query, influence=influence) -> Tensor:
+                return influence.scores(query, train, factored=factored)
+
+            torch.testing.assert_close(run(True), run(False), rtol=1e-9, atol=1e-12)
+            ratios = []
+            for _ in range(repeats):  # interleaved, paired
+                seconds = {}
+                for factored in (True, False):
+                    start = time.perf_counter()
+                    run(factored)
+                    seconds[factored] = time.perf_counter() - start
+                ratios.append(seconds[True] / seconds[False])
+            peaks = {f: peak_bytes(lambda f=f: run(f)) for f in (True, False)}
+            rows.append((strategy, n_query, statistics.median(ratios), peaks[True] / peaks[False]))
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="small sizes (smoke test)")

@@ -173,8 +173,16 @@ def pair_costs(site: Site, queries: int, query_positions: int | None) -> dict[st
 
 
 def choose(site: Site, queries: int, query_positions: int | None = None) -> str:
-    """The cheapest of `pair_costs` (ties: the factored forms, which need less memory)."""
+    """The cheapest of `pair_costs` (ties: the factored forms).
+
+    The factored forms are eligible only where the factors are smaller than the gradient they
+    stand for, `T (m + k) < m k` (else forming `G_n` also holds less).
+    """
     costs = pair_costs(site, queries, query_positions)
+    t = site.left.shape[1]
+    m, k = site.shape
+    if not t * (m + k) < m * k:
+        return "dense"
     order = {"ghost": 0, "factored": 1, "dense": 2}
     return min(costs, key=lambda name: (costs[name], order[name]))
 

@@ -91,7 +91,10 @@ def test_cost_model():
     assert _sites.choose(one_position, queries=100) == "factored"  # T = 1: Q N m k vs (Q+1) N m k
     long = _sites.Site("outer", (20, 30), torch.zeros(2, 64, 20), torch.zeros(2, 64, 30))
     assert _sites.choose(long, queries=100) == "dense"
-    assert _sites.choose(long, queries=1) == "factored"
+    assert _sites.choose(long, queries=1) == "dense"  # T (m + k) > m k: G_n is smaller
+    wide = _sites.Site("outer", (64, 64), torch.zeros(2, 4, 64), torch.zeros(2, 4, 64))
+    assert _sites.choose(wide, queries=1) == "factored"
+    assert _sites.choose(wide, queries=8) == "dense"
     short = _sites.Site("outer", (200, 300), torch.zeros(2, 3, 200), torch.zeros(2, 3, 300))
     assert _sites.choose(short, queries=4, query_positions=2) == "ghost"
     assert _sites.norm_is_ghost(short) and not _sites.norm_is_ghost(long)
