@@ -192,7 +192,9 @@ class Kronfluence:
         )
         self.count = 0
 
-    def scores(self, train, query, strategy, damping, batch_size, per_module=False):
+    def scores(
+        self, train, query, strategy, damping, batch_size, per_module=False, per_token=False
+    ):
         from kronfluence.arguments import FactorArguments, ScoreArguments
         from torch.utils.data import TensorDataset
 
@@ -209,6 +211,7 @@ class Kronfluence:
         score_args = ScoreArguments(
             damping_factor=damping,
             compute_per_module_scores=per_module,
+            compute_per_token_scores=per_token,
             per_sample_gradient_dtype=f64,
             precondition_dtype=f64,
             score_dtype=f64,
@@ -284,6 +287,20 @@ def compare(name, strategy, damping, n_train, n_query, batch, workdir, bias=Fals
         p_str = f", P={scale[m + '.weight']}" if scale[m + ".weight"] != 1 else ""
         detail.append(f"{m} ({kind}{p_str}): {rel(modules[m], theirs[m]):.0e}")
     return rel(ours, total), "; ".join(detail)
+
+
+def compare_per_token(strategy, damping, n_train, n_query, batch, workdir) -> float:
+    """Relative error of the GPT's per-token scores `[n_query, n_train, T]` (Linear layers)."""
+    model, Xt, yt, Xq, yq = build("gpt", n_train, n_query)
+    train, query = batches(Xt, yt, batch), batches(Xq, yq, batch)
+    tracked = [m for m, mod in model.named_modules() if isinstance(mod, nn.Linear)]
+    for pname, p in model.named_parameters():
+        p.requires_grad_(pname.rsplit(".", 1)[0] in tracked)
+    kf = Kronfluence(model, workdir, tracked)
+    theirs = kf.scores((Xt, yt), (Xq, yq), strategy, damping, batch, per_token=True)
+    influence = fit(model, nn.CrossEntropyLoss(), train, strategy, damping, fisher="empirical")
+    ours = influence.scores(query, train, per_token=True)
+    return rel(ours, theirs)
 
 
 def _per_block(influence, train, query) -> dict[str, Tensor]:
@@ -437,6 +454,11 @@ def main(argv: list[str] | None = None) -> int:
                     row = f"| {label} | {strategy} | {d} | {err:.1e} | {mapping} |"
                     print(row, flush=True)
                     lines.append(row)
+        for strategy in ("identity", "diagonal", "ekfac"):
+            err = compare_per_token(strategy, None, n_acc, q_acc, batch, workdir)
+            row = f"| gpt (per token) | {strategy} | 0.1 × mean | {err:.1e} |  |"
+            print(row, flush=True)
+            lines.append(row)
         lines += [
             "",
             f"## Time and peak memory: fit + pairwise scores, {n_time} training × {q_time} query "
