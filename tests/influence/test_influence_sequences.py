@@ -166,3 +166,25 @@ def test_chunked_products_give_the_same_numbers(name, strategy, monkeypatch):
     close(chunked.scores(problem.query(), problem.train()), expected)
     close(chunked.scores(problem.query(), problem.train(), per_token=True).sum(-1), expected)
     close(chunked.self_scores(problem.train()), self_expected)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_hugging_face_conv1d(strategy):
+    """`Conv1D` (weight stored `[in, out]`): the factored products, the diagonal's and EK-FAC's
+    closed forms on one position, and per-token scores, against brute force."""
+    conv1d = pytest.importorskip("transformers.pytorch_utils").Conv1D
+    base = PROBLEMS["mlp"]
+    problem = type(base)(**{**base.__dict__})
+    problem.make_model = lambda: nn.Sequential(conv1d(5, 4), nn.Tanh(), nn.Linear(5, 3))
+    problem.transposed = {"0.weight"}  # Kronecker factors of weight.T
+    model = problem.model()
+    influence = fit(model, problem.make_loss("mean"), problem.train(), strategy, 0.1, "empirical")
+    ref = Reference(problem, model)
+    inverse = preconditioner(strategy, problem, model, ref, 0.1)
+    expected = ref.query_grads() @ inverse @ ref.train_grads().T
+    close(influence.scores(problem.query(), problem.train()), expected)
+    close(influence.scores(problem.query(), problem.train(), per_token=True)[..., 0], expected)
+    close(
+        influence.self_scores(problem.train()),
+        ((ref.train_grads() @ inverse) * ref.train_grads()).sum(1),
+    )
