@@ -495,6 +495,20 @@ def main(argv: list[str] | None = None) -> int:
         f"and scores every parameter: EK-FAC on all {p_full} parameters, {n_acc} training × 10 "
         f"query sequences, {seconds:.2f} s.",
     ]
+    lines += [
+        "",
+        "## Tiny GPT: factored products against per-sample gradients",
+        "",
+        "`scores(query, train)` (factored forms where the cost model picks them, one parameter "
+        "at a time) over `scores(..., factored=False)` (every per-sample gradient from "
+        "`BatchGrad`), every parameter, 32 training sequences of 32 tokens, width 128, batches "
+        "of 16, fit excluded; time: median of 5 paired ratios; same scores (checked, 1e-9).",
+        "",
+        "| strategy | queries | time ratio | peak-memory ratio |",
+        "|---|---|---|---|",
+    ]
+    for strategy, n_query, t_ratio, m_ratio in factored_vs_dense():
+        lines.append(f"| {strategy} | {n_query} | {t_ratio:.2f} | {m_ratio:.2f} |")
     text = "\n".join(lines) + "\n"
     if args.out:
         Path(args.out).write_text(text)
