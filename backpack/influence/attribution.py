@@ -367,7 +367,9 @@ class Influence:
             return torch.zeros(n_query, 0)
         return torch.cat(columns, dim=1)
 
-    def self_scores(self, train_data: Iterable, progress: bool = False, factored: bool = True):
+    def self_scores(
+        self, train_data: Iterable, progress: bool = False, factored: bool = True
+    ) -> Tensor:
         """`[n_train]` self-influence `∇ℓ_tᵀ (F + λI)⁻¹ ∇ℓ_t`, batch by batch.
 
         For "identity", a Linear-like layer's squared norms come from Gram matrices of its

@@ -188,3 +188,42 @@ def test_hugging_face_conv1d(strategy):
         influence.self_scores(problem.train()),
         ((ref.train_grads() @ inverse) * ref.train_grads()).sum(1),
     )
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_hugging_face_gpt2_every_parameter_per_token():
+    """A tiny random GPT-2 (Conv1D, LayerNorm, token and position embeddings, the head tied to
+    the token embedding): per-token scores add up to the scores, which equal `torch.func`'s."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=11, n_positions=8, n_embd=8, n_layer=1, n_head=2, bos_token_id=0,
+        eos_token_id=0, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+    )  # fmt: skip
+
+    class Logits(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gpt = transformers.GPT2LMHeadModel(config)
+
+        def forward(self, x):
+            return self.gpt(input_ids=x).logits.flatten(0, 1)
+
+    model = Logits().double().eval()
+    X, Y = torch.randint(0, 11, (5, 4)), torch.randint(0, 11, (5, 4))
+    Y[1, 0] = -100
+    data = [(X[:3], Y[:3].flatten()), (X[3:], Y[3:].flatten())]
+    lossfunc = nn.CrossEntropyLoss()
+    influence = fit(model, lossfunc, data, "identity")
+    tokens = influence.scores(data, data, per_token=True)
+    assert tokens.shape == (5, 5, 4)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+
+    def own_loss(p, x, y):
+        out = torch.func.functional_call(model, p, (x[None],))
+        return nn.functional.cross_entropy(out, y, reduction="sum")
+
+    g = [torch.func.grad(own_loss)(params, X[i], Y[i]) for i in range(5)]
+    G = torch.stack([torch.cat([gi[n].flatten() for n in params]) for gi in g])
+    close(tokens.sum(-1), G @ G.T)
+    close(influence.scores(data, data), G @ G.T)
