@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from backpack.curvature._data import Normaliser, needs_reiterable, reduction_of, trainable
+from backpack.curvature._data import Normaliser, reduction_of, trainable
 from backpack.curvature._rows import row_batches
 from backpack.curvature.ekfac import EKFAC, EigenBlock, kfac_eigenblocks
 from backpack.curvature.kfac import KFAC
@@ -78,48 +78,6 @@ def _diagonal_blocks(
             for name, value in rows.items():
                 sums[name] += value.square().sum(0).detach()
     return _diagonal_result(params, sums, count), count
-
-
-def _corrected_empirical(
-    model, lossfunc, data, blocks: list[EigenBlock], progress, normaliser, num_samples
-) -> tuple[list[EigenBlock], int]:
-    """EK-FAC's eigenvalues of the empirical Fisher: `mean_n (q_kᵀ ∇ℓ_n)²` in KFAC's eigenbasis.
-
-    The same numbers as `EKFAC(fisher_type="empirical")` at the mean's scale, from the gradients'
-    factors: a Linear-like layer on one position rotates its two factors and takes one product
-    (`(Q_Gᵀ b)² ᵀ (Q_Aᵀ a)²`, no per-sample gradient), other parameters a few samples at a time.
-    """
-    sums = {b.name: torch.zeros_like(b.values) for b in blocks}
-    count = 0
-    classes, _ = recorded_classes(model, False)
-    for batch, sites in site_batches(
-        model, lossfunc, data, classes, progress, "EKFAC eigenvalues", normaliser, num_samples
-    ):
-        count += batch.num_samples
-        for b in blocks:
-            sums[b.name] += _rotated_squares(b, sites[b.name])
-        del sites
-    out = [
-        EigenBlock(b.name, b.shape, b.vectors, sums[b.name] / count, b.transposed) for b in blocks
-    ]
-    return out, count
-
-
-def _rotated_squares(block: EigenBlock, sites: list[Site]) -> Tensor:
-    """`Σ_n (Qᵀ G_n)²` of one parameter's sites, in the block's coordinates."""
-    site = sites[0]
-    if len(sites) == 1 and site.kind == "outer" and site.positions == 1 and len(block.vectors) == 2:
-        left, right = site.left[:, 0], site.right[:, 0]
-        if block.transposed:
-            left, right = right, left
-        if tuple(block.values.shape) == (left.shape[1], right.shape[1]):
-            return (left @ block.vectors[0]).square().T @ (right @ block.vectors[1]).square()
-    n = site.num_samples
-    step = max(1, CHUNK_ENTRIES // max(block.numel, 1))
-    total = torch.zeros_like(block.values)
-    for start in range(0, n, step):
-        total += block.squares(dense(sites, start, min(start + step, n)))
-    return total
 
 
 def _diagonal_result(params, sums, count) -> list[EigenBlock]:
@@ -517,26 +475,18 @@ def fit(
             seed=seed,
             **common,
         )
-        if strategy == "ekfac" and fisher == "empirical":
-            needs_reiterable(train_data, "EKFAC")
+        if strategy == "kfac":
             op = KFAC(model, lossfunc, train_data, **operator_args)
-            blocks, count = _corrected_empirical(
-                model, lossfunc, train_data, kfac_eigenblocks(op), **common
-            )
+            blocks = kfac_eigenblocks(op)
         else:
-            if strategy == "kfac":
-                op = KFAC(model, lossfunc, train_data, **operator_args)
-                blocks = kfac_eigenblocks(op)
-            else:
-                op = EKFAC(model, lossfunc, train_data, **operator_args)
-                blocks = op.blocks
-            count = op.num_samples_total
-            # the operators' scale is the data-set loss's (R Σ_n); F is the mean over examples
-            factor = op.normaliser_total / count
-            blocks = [
-                EigenBlock(b.name, b.shape, b.vectors, b.values * factor, b.transposed)
-                for b in blocks
-            ]
+            op = EKFAC(model, lossfunc, train_data, **operator_args)
+            blocks = op.blocks
+        count = op.num_samples_total
+        # the operators' scale is the data-set loss's (R Σ_n); F is the mean over examples
+        factor = op.normaliser_total / count
+        blocks = [
+            EigenBlock(b.name, b.shape, b.vectors, b.values * factor, b.transposed) for b in blocks
+        ]
     info["num_samples"] = count
     damping_of = _damping(blocks, damping)
     return Influence(model, lossfunc, strategy, blocks, damping_of, info, normaliser, num_samples)
