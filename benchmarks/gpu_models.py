@@ -81,8 +81,19 @@ def gpt2(tiny: bool, device: torch.device) -> tuple[nn.Module, Tensor, Tensor]:
 
     torch.manual_seed(0)
     if tiny:
-        n, t, config = 2, 32, GPT2Config(vocab_size=1000, n_positions=32, n_embd=64, n_layer=2,
-                                         n_head=4, bos_token_id=0, eos_token_id=0)
+        n, t, config = (
+            2,
+            32,
+            GPT2Config(
+                vocab_size=1000,
+                n_positions=32,
+                n_embd=64,
+                n_layer=2,
+                n_head=4,
+                bos_token_id=0,
+                eos_token_id=0,
+            ),
+        )
     else:
         n, t, config = 4, 512, GPT2Config()  # the published small configuration
     config.attn_pdrop = config.embd_pdrop = config.resid_pdrop = 0.0
@@ -174,9 +185,15 @@ def _steps(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, tuple]:
         steps["data-set KFAC fit, embeddings frozen"] = (fit_of(frozen), clear_frozen, FROZEN)
     if any(isinstance(m, nn.Conv2d) for m in model.modules()):
         steps["experiment: BatchGrad, vmap conv path"] = (
-            with_extensions(extended, E.BatchGrad, path="vmap"), clear_extended, "plain")
+            with_extensions(extended, E.BatchGrad, path="vmap"),
+            clear_extended,
+            "plain",
+        )
         steps["experiment: BatchL2Grad, fold conv path"] = (
-            with_extensions(extended, E.BatchL2Grad, path="fold"), clear_extended, "plain")
+            with_extensions(extended, E.BatchL2Grad, path="fold"),
+            clear_extended,
+            "plain",
+        )
     steps["torch.func"] = (_torch_func(plain, x, y), lambda: None, "plain")
     for row, ghost in (("Opacus", False), ("Opacus ghost norms", True)):
         try:
@@ -241,8 +258,9 @@ def _torch_func(model: nn.Module, x: Tensor, y: Tensor) -> Callable:
     return step
 
 
-def measure(name: str, tiny: bool, rounds: int, device: torch.device,
-            profile_dir: str | None) -> dict[str, dict[str, Any]]:
+def measure(
+    name: str, tiny: bool, rounds: int, device: torch.device, profile_dir: str | None
+) -> dict[str, dict[str, Any]]:
     """Every row on model `name`: time and memory ratios to the plain step."""
     model, x, y = MODELS[name](tiny, device)
     steps = _steps(model, x, y)
@@ -271,7 +289,7 @@ def measure(name: str, tiny: bool, rounds: int, device: torch.device,
                 ratios, times = [], []
                 for i in range(rounds):
                     pair = []
-                    for is_row in ((True, False) if i % 2 == 0 else (False, True)):
+                    for is_row in (True, False) if i % 2 == 0 else (False, True):
                         (clear if is_row else clear_plain)()
                         pair.append(_timed(step if is_row else plain, device))
                     row_t, plain_t = pair if i % 2 == 0 else pair[::-1]
@@ -295,7 +313,8 @@ def measure(name: str, tiny: bool, rounds: int, device: torch.device,
         }
         print(f"{name:9s} {row:20s} {r['ratio']:6.2f}x  memory {r['memory']:6.2f}x", flush=True)
         missed = r["ratio"] > TARGETS.get(row, float("inf")) or r["memory"] > MEMORY_TARGETS.get(
-            row, float("inf"))
+            row, float("inf")
+        )
         if profile_dir and missed:
             _profile(step, clear, device, os.path.join(profile_dir, f"profile-{name}.txt"), row)
     return results
@@ -310,8 +329,7 @@ def _profile(step: Callable, clear: Callable, device: torch.device, path: str, r
     """Append the top operators (by device time) of one step of `row` to `path`."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
-                                           else [])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     clear()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -334,17 +352,30 @@ def render(results: dict[str, dict[str, dict[str, Any]]], header: str) -> str:
     """The Markdown tables of time and memory ratios."""
     names = list(results)
     rows = list(dict.fromkeys(r for n in names for r in results[n]))
-    baselines = [r for r in rows if any(_is_baseline(results[n].get(r, {"ratio": 0}))
-                                        for n in names)]
+    baselines = [
+        r for r in rows if any(_is_baseline(results[n].get(r, {"ratio": 0})) for n in names)
+    ]
     rows = [r for r in rows if r not in baselines]
-    lines = [header, "", "## Time, as a ratio to a plain forward + backward", "",
-             "Rows named '..., embeddings frozen' are measured against the plain step of the same "
-             "model with frozen embeddings.", "",
-             "| | " + " | ".join(names) + " | target |", "|---|" + "---|" * (len(names) + 1)]
+    lines = [
+        header,
+        "",
+        "## Time, as a ratio to a plain forward + backward",
+        "",
+        "Rows named '..., embeddings frozen' are measured against the plain step of the same "
+        "model with frozen embeddings.",
+        "",
+        "| | " + " | ".join(names) + " | target |",
+        "|---|" + "---|" * (len(names) + 1),
+    ]
     for base in baselines:
-        lines.append(f"| {base} step (ms) | " + " | ".join(
-            f"{1e3 * results[n][base]['seconds']:.1f}" if base in results[n] else "—"
-            for n in names) + " | |")
+        lines.append(
+            f"| {base} step (ms) | "
+            + " | ".join(
+                f"{1e3 * results[n][base]['seconds']:.1f}" if base in results[n] else "—"
+                for n in names
+            )
+            + " | |"
+        )
 
     def cells(row: str, key: str, targets: dict) -> list[str]:
         out = []
@@ -353,8 +384,9 @@ def render(results: dict[str, dict[str, dict[str, Any]]], header: str) -> str:
             if r is None:
                 out.append("—")
             elif "error" in r:
-                out.append("failed: " + r["error"].replace("|", "/")[:90] if key == "ratio"
-                           else "—")
+                out.append(
+                    "failed: " + r["error"].replace("|", "/")[:90] if key == "ratio" else "—"
+                )
             else:
                 target = targets.get(row.split(",")[0])
                 mark = "" if target is None else (" ✓" if r[key] <= target else " ✗")
@@ -362,14 +394,25 @@ def render(results: dict[str, dict[str, dict[str, Any]]], header: str) -> str:
         return out
 
     for row in rows:
-        lines.append(f"| {row} | " + " | ".join(cells(row, "ratio", TARGETS))
-                     + f" | {_target(row)} |")
-    lines += ["", "## Peak memory, as a ratio to the baseline step's", "",
-              "| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+        lines.append(
+            f"| {row} | " + " | ".join(cells(row, "ratio", TARGETS)) + f" | {_target(row)} |"
+        )
+    lines += [
+        "",
+        "## Peak memory, as a ratio to the baseline step's",
+        "",
+        "| | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
     for base in baselines:
-        lines.append(f"| {base} step (MiB above the model) | " + " | ".join(
-            f"{results[n][base]['peak'] / 2**20:.0f}" if base in results[n] else "—"
-            for n in names) + " |")
+        lines.append(
+            f"| {base} step (MiB above the model) | "
+            + " | ".join(
+                f"{results[n][base]['peak'] / 2**20:.0f}" if base in results[n] else "—"
+                for n in names
+            )
+            + " |"
+        )
     for row in rows:
         lines.append(f"| {row} | " + " | ".join(cells(row, "memory", MEMORY_TARGETS)) + " |")
     return "\n".join(lines) + "\n"
@@ -401,8 +444,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.profile_dir:
         os.makedirs(args.profile_dir, exist_ok=True)
     start = time.time()
-    results = {n: measure(n, args.tiny, args.rounds, device, args.profile_dir)
-               for n in args.models}
+    results = {n: measure(n, args.tiny, args.rounds, device, args.profile_dir) for n in args.models}
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     try:
         import opacus

@@ -58,8 +58,15 @@ def gpt2(n: int = 16, t: int = 64) -> tuple[nn.Module, Tensor, Tensor, str]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=512, n_positions=t, n_embd=128, n_layer=2, n_head=4,
-                        bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(
+        vocab_size=512,
+        n_positions=t,
+        n_embd=128,
+        n_layer=2,
+        n_head=4,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return Logits(GPT2LMHeadModel(config).eval()), *_lm_data(512, n, t), "lm"
 
 
@@ -68,10 +75,18 @@ def llama(n: int = 16, t: int = 64) -> tuple[nn.Module, Tensor, Tensor, str]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=t, bos_token_id=0, eos_token_id=0,
-                         pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=t,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     return Logits(LlamaForCausalLM(config).eval()), *_lm_data(512, n, t), "lm"
 
 
@@ -88,8 +103,16 @@ def vit(n: int = 16) -> tuple[nn.Module, Tensor, Tensor, str]:
     import timm
 
     torch.manual_seed(0)
-    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=4, embed_dim=128,
-                              depth=2, num_heads=4, init_values=1e-2, num_classes=10)
+    model = timm.create_model(
+        "vit_tiny_patch16_224",
+        img_size=32,
+        patch_size=4,
+        embed_dim=128,
+        depth=2,
+        num_heads=4,
+        init_values=1e-2,
+        num_classes=10,
+    )
     return model.eval(), *_image_data(n), "ce"
 
 

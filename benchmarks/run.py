@@ -973,9 +973,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     problems[name] = {"error": f"worker timed out after {timeout:.0f} s"}
         problems[name].setdefault("description", P.PROBLEMS[name].description)
         if args.tiny:  # shrunk sizes: the description's sizes and the targets do not apply
-            problems[name]["description"] = "tiny version (shrunk sizes) of: " + problems[name][
-                "description"
-            ]
+            problems[name]["description"] = (
+                "tiny version (shrunk sizes) of: " + problems[name]["description"]
+            )
         else:
             _add_verdicts(name, problems[name])
 

@@ -51,6 +51,18 @@ SMALL = {
         "--batch-size",
         "16",
     ],
+    "example_influence_gpt": [
+        "--context",
+        "20",
+        "--stride",
+        "30",
+        "--dim",
+        "4",
+        "--train-steps",
+        "3",
+        "--batch-size",
+        "4",
+    ],
     "example_laplace_digits": [
         "--train-size",
         "32",

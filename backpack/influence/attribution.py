@@ -18,6 +18,7 @@ The strategy approximates `F` (block diagonal over the parameters except "identi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -28,6 +29,16 @@ from backpack.curvature._data import Normaliser, reduction_of, trainable
 from backpack.curvature._rows import row_batches
 from backpack.curvature.ekfac import EKFAC, EigenBlock, kfac_eigenblocks
 from backpack.curvature.kfac import KFAC
+from backpack.influence._sites import (
+    CHUNK_ENTRIES,
+    Site,
+    choose,
+    dense,
+    norm_is_ghost,
+    recorded_classes,
+    site_batches,
+    square_sum,
+)
 
 __all__ = ["Influence", "fit", "load", "STRATEGIES"]
 
@@ -48,6 +59,16 @@ def _diagonal_blocks(
     count = 0
     devices = [p.device for _, p in params[:1] if p.device.type == "cuda"]
     kind = {"true": "mc", "type-2": "type-2", "empirical": "grad"}[fisher]
+    if fisher == "empirical":  # the gradients' squares, from factors where they allow
+        classes, _ = recorded_classes(model, False)
+        for batch, sites in site_batches(
+            model, lossfunc, data, classes, progress, "diagonal", normaliser, num_samples
+        ):
+            count += batch.num_samples
+            for name, value in sites.items():
+                sums[name] += square_sum(value)
+            del sites
+        return _diagonal_result(params, sums, count), count
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         for batch, rows, _ in row_batches(
@@ -56,11 +77,14 @@ def _diagonal_blocks(
             count += batch.num_samples
             for name, value in rows.items():
                 sums[name] += value.square().sum(0).detach()
-    blocks = [
+    return _diagonal_result(params, sums, count), count
+
+
+def _diagonal_result(params, sums, count) -> list[EigenBlock]:
+    return [
         EigenBlock(name, tuple(p.shape), [], (sums[name] / count).flatten().detach(), False)
         for name, p in params
     ]
-    return blocks, count
 
 
 class Influence:
@@ -145,38 +169,184 @@ class Influence:
             return {name: value.flatten(1) for name, value in rows.items()}
         return {b.name: b.apply(rows[b.name], self._scale(b)) for b in self.blocks}
 
-    def _query(self, query_data: Iterable, progress: bool) -> tuple[dict[str, Tensor], int]:
+    def _sites(self, data: Iterable, progress: bool, per_token: bool, factored: bool, desc: str):
+        """`site_batches` recording the layers that `per_token` / `factored` need."""
+        classes: set[type] = set()
+        if per_token or factored:
+            classes, uncovered = recorded_classes(self.model, per_token)
+            if uncovered:
+                raise ValueError(
+                    "per_token=True needs every trainable parameter in a layer with terms per "
+                    f"position; not: {', '.join(uncovered)}. Freeze them "
+                    "(requires_grad_(False)) or score whole sequences (per_token=False)."
+                )
+        return site_batches(
+            self.model,
+            self.lossfunc,
+            data,
+            classes,
+            progress,
+            desc,
+            self.normaliser,
+            self.num_samples,
+        )
+
+    def _precondition_sites(self, sites: list[Site], block: EigenBlock | None) -> Tensor:
+        """`(F + λI)⁻¹ g` block `[N, numel]` of one parameter, a few samples at a time."""
+        n = sites[0].num_samples
+        numel = math.prod(sites[0].shape)
+        if block is None:  # identity
+            return dense(sites).reshape(n, numel)
+        out = None
+        step = max(1, CHUNK_ENTRIES // max(numel, 1))
+        scale = self._scale(block)
+        for start in range(0, n, step):
+            value = block.apply(dense(sites, start, min(start + step, n)), scale)
+            if out is None:
+                out = value.new_empty(n, numel)
+            out[start : start + value.shape[0]] = value
+        return out
+
+    def _query(
+        self, query_data: Iterable, progress: bool, factored: bool
+    ) -> tuple[dict[str, Tensor], int, dict[str, Site | None]]:
+        """Preconditioned query gradients `{name: [Q, numel]}`, Q, and the ghost factors.
+
+        The factors (for "identity" only) are those of single-call Linear-like parameters.
+        """
         pieces: dict[str, list[Tensor]] = {}
-        for rows in self.gradients(query_data, progress):
-            for name, value in self.precondition(rows).items():
-                pieces.setdefault(name, []).append(value)
-        merged = {name: torch.cat(values) for name, values in pieces.items()}
-        return merged, next(iter(merged.values())).shape[0]
+        factors: dict[str, list[Site] | None] = {}
+        blocks = {b.name: b for b in self.blocks} if self.blocks is not None else {}
+        for _, sites in self._sites(query_data, progress, False, factored, "query gradients"):
+            for name, value in sites.items():
+                pieces.setdefault(name, []).append(
+                    self._precondition_sites(value, blocks.get(name))
+                )
+            for name, value in sites.items():
+                keep = self.strategy == "identity" and len(value) == 1 and value[0].kind == "outer"
+                if not keep:
+                    factors[name] = None
+                elif factors.setdefault(name, []) is not None:
+                    factors[name].append(value[0])
+            del sites
+        merged = {}
+        for name in list(pieces):  # one parameter's copy at a time
+            values = pieces.pop(name)
+            merged[name] = values[0] if len(values) == 1 else torch.cat(values)
+            del values
+        ghost: dict[str, Site | None] = {}
+        for name, value in factors.items():
+            same = value is not None and len({s.positions for s in value}) == 1
+            ghost[name] = (
+                Site(
+                    "outer",
+                    value[0].shape,
+                    torch.cat([s.left for s in value]),
+                    torch.cat([s.right for s in value]),
+                )
+                if same
+                else None
+            )
+        return merged, next(iter(merged.values())).shape[0], ghost
 
     # --- scores ------------------------------------------------------------------------------
-    def scores(self, query_data: Iterable, train_data: Iterable, progress: bool = False) -> Tensor:
+    def scores(
+        self,
+        query_data: Iterable,
+        train_data: Iterable,
+        progress: bool = False,
+        per_token: bool = False,
+        factored: bool = True,
+    ) -> Tensor:
         """`[n_query, n_train]` influence scores `∇ℓ_qᵀ (F + λI)⁻¹ ∇ℓ_t`.
 
         The preconditioned query gradients are kept (`[n_query, P]`); the training data are
-        swept once, batch by batch (at most one batch's gradients at a time).
+        swept once, batch by batch (at most one batch's gradients at a time). For Linear-like
+        layers (`nn.Linear`, Hugging Face's `Conv1D`) the products with a training batch are
+        taken in the cheapest of three forms, by a count of multiply-adds per layer and batch
+        (`_sites.pair_costs`): from the per-sample gradients, factored (`Σ_t b_tᵀ M_q a_t`,
+        never forming them) or, for "identity", from Gram matrices of both sides' factors.
+
+        Args:
+            query_data: `(X, y)` batches of the query examples.
+            train_data: `(X, y)` batches of the training examples.
+            progress: Show progress bars (tqdm).
+            per_token: Return `[n_query, n_train, T]`: the score of each query with each
+                position t of each training sequence, `Σ_layers ⟨(F + λI)⁻¹ ∇ℓ_q, term_t⟩`
+                with `term_t` the part of the training sequence's gradient that enters through
+                position t (for `nn.Linear`: `b_t a_tᵀ`, output gradient times input). They sum
+                over t to the sequence's score (kronfluence's per-token scores). Needs every
+                trainable parameter in an `nn.Linear`, `Conv1D`, `nn.Embedding` or
+                `nn.LayerNorm`, and the same T in every layer and training batch.
+            factored: False: always from per-sample gradients (every layer's `grad_batch`).
+
+        Raises:
+            ValueError: For `per_token` on a model or data it does not apply to.
         """
-        query, n_query = self._query(query_data, progress)
+        query, n_query, ghost = self._query(query_data, progress, factored)
         columns = []
-        for rows in self.gradients(train_data, progress):
-            batch = sum(query[name] @ value.flatten(1).T for name, value in rows.items())
-            columns.append(batch)
+        length = None
+        for _, sites in self._sites(train_data, progress, per_token, factored, "gradients"):
+            total: Tensor | float = 0.0
+            for name, value in sites.items():
+                M = query[name]
+                if per_token:
+                    for site in value:
+                        if site.kind == "sample":
+                            raise ValueError(
+                                f"per_token=True: {name} has no terms per position (its module "
+                                "was not called as a layer of its own). Freeze it or use "
+                                "per_token=False."
+                            )
+                        if length is None:
+                            length = site.positions
+                        if site.positions != length:
+                            raise ValueError(
+                                f"per_token=True needs one sequence length T in every layer and "
+                                f"batch; {name} has {site.positions} positions, others "
+                                f"{length}. Pad the sequences (ignored targets) to one length."
+                            )
+                        total = total + site.token_products(M.reshape(n_query, *site.shape))
+                    continue
+                if len(value) == 1 and value[0].kind == "outer":
+                    site = value[0]
+                    q_site = ghost.get(name)
+                    how = choose(site, n_query, q_site.positions if q_site is not None else None)
+                    if how == "ghost":
+                        total = total + site.ghost_products(q_site)
+                        continue
+                    if how == "factored":
+                        total = total + site.token_products(M.reshape(n_query, *site.shape)).sum(-1)
+                        continue
+                total = total + M @ dense(value).flatten(1).T
+            columns.append(total)
+            del sites
         if not columns:
             return torch.zeros(n_query, 0)
         return torch.cat(columns, dim=1)
 
-    def self_scores(self, train_data: Iterable, progress: bool = False) -> Tensor:
-        """`[n_train]` self-influence `∇ℓ_tᵀ (F + λI)⁻¹ ∇ℓ_t`, batch by batch."""
+    def self_scores(
+        self, train_data: Iterable, progress: bool = False, factored: bool = True
+    ) -> Tensor:
+        """`[n_train]` self-influence `∇ℓ_tᵀ (F + λI)⁻¹ ∇ℓ_t`, batch by batch.
+
+        For "identity", a Linear-like layer's squared norms come from Gram matrices of its
+        factors where that is cheaper (`T² (in + out) < T in out`), as `BatchL2Grad` does.
+        """
         out = []
-        for rows in self.gradients(train_data, progress):
+        for _, sites in self._sites(train_data, progress, False, factored, "gradients"):
             if self.strategy == "identity":
-                out.append(sum(v.flatten(1).square().sum(1) for v in rows.values()))
+                total = 0.0
+                for value in sites.values():
+                    if len(value) == 1 and value[0].kind == "outer" and norm_is_ghost(value[0]):
+                        total = total + value[0].ghost_norms()
+                    else:
+                        total = total + dense(value).flatten(1).square().sum(1)
+                out.append(total)
             else:
-                out.append(sum(b.quadratic(rows[b.name], self._scale(b)) for b in self.blocks))
+                out.append(
+                    sum(b.quadratic(dense(sites[b.name]), self._scale(b)) for b in self.blocks)
+                )
         return torch.cat(out)
 
     # --- persistence -------------------------------------------------------------------------

@@ -49,6 +49,80 @@ class TokenModel(nn.Module):
         return self.lin(self.act(self.emb(x))).flatten(0, 1)
 
 
+class TinyGPT(nn.Module):
+    """A one-block causal GPT from position-wise layers only (Embedding, LayerNorm, Linear).
+
+    `forward(x)` returns logits `[N·T, V]` (`layout="rows"`) or `[N, V, T]` (`"channels"`, what
+    `CrossEntropyLoss` takes for sequences). `tied`: the head shares the token embedding.
+    `functional(params, x)` is the same network with every parameter given per position
+    (`[T, *shape]`): the gradient w.r.t. copy t is the term of position t (brute force).
+    """
+
+    def __init__(self, vocab=7, dim=4, length=5, hidden=6, tied=False, layout="rows"):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(length, dim)
+        self.ln1 = nn.LayerNorm(dim)
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+        self.ln2 = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+        self.lnf = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        if tied:
+            self.head.weight = self.tok.weight
+        self.layout = layout
+
+    def _net(self, x, emb, norm, lin):
+        t = x.shape[1]
+        positions = torch.arange(t, device=x.device).expand(x.shape[0], -1)
+        h = emb("tok", x) + emb("pos", positions)
+        a = norm("ln1", h)
+        q, k, v = lin("q", a), lin("k", a), lin("v", a)
+        w = q @ k.transpose(1, 2) / q.shape[-1] ** 0.5
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        w = w.masked_fill(~mask, float("-inf")).softmax(-1)
+        h = h + lin("o", w @ v)
+        h = h + lin("down", torch.tanh(lin("up", norm("ln2", h))))
+        logits = lin("head", norm("lnf", h))
+        if self.layout == "rows":
+            return logits.flatten(0, 1)
+        return logits.transpose(1, 2)
+
+    def forward(self, x):
+        return self._net(
+            x,
+            lambda name, i: getattr(self, name)(i),
+            lambda name, h: getattr(self, name)(h),
+            lambda name, h: getattr(self, name)(h),
+        )
+
+    def functional(self, params, x):
+        """The network with `params[name]` `[T, *shape]` (copy t used at position t only)."""
+        t = x.shape[1]
+        names = dict(self.named_parameters(remove_duplicate=False))
+        key = {id(p): n for n, p in self.named_parameters()}  # tied: the first name
+
+        def p(name):
+            return params[key[id(names[name])]]
+
+        def emb(name, i):
+            return p(f"{name}.weight")[torch.arange(t)[None, :], i]
+
+        def norm(name, h):
+            mod = getattr(self, name)
+            hat = nn.functional.layer_norm(h, h.shape[-1:], eps=mod.eps)
+            return hat * p(f"{name}.weight") + p(f"{name}.bias")
+
+        def lin(name, h):
+            out = torch.einsum("nti,toi->nto", h, p(f"{name}.weight"))
+            if getattr(self, name).bias is not None:
+                out = out + p(f"{name}.bias")
+            return out
+
+        return self._net(x, emb, norm, lin)
+
+
 @dataclass
 class Problem:
     name: str
@@ -101,6 +175,8 @@ def make_problems() -> dict[str, Problem]:
     ty[0, 1] = ty[3, 0] = ty[3, 2] = -100
     tty = tokens(n, 3)
     tty[2, 2] = -100
+    gy = tokens(n, 7, length=5)
+    gy[1, :2] = gy[5, 4] = -100
     return {
         "mlp": Problem(
             "mlp",
@@ -132,6 +208,17 @@ def make_problems() -> dict[str, Problem]:
             tokens(q, 4),
             flatten_targets=True,
             transposed={"emb.weight"},
+        ),
+        "gpt": Problem(
+            "gpt",
+            TinyGPT,
+            lambda r: nn.CrossEntropyLoss(reduction=r, ignore_index=-100),
+            tokens(n, 7, length=5),
+            gy,
+            tokens(q, 7, length=5),
+            tokens(q, 7, length=5),
+            flatten_targets=True,
+            transposed={"tok.weight", "pos.weight"},
         ),
         "transformer": Problem(
             "transformer",
@@ -201,6 +288,21 @@ class Reference:
             H = hessian(lambda o, y=y: self.sum_loss(o, y))(f).reshape(f.numel(), f.numel())
             out += J.T @ H @ J
         return out / len(X)
+
+    def terms(self, X, Y) -> Tensor:
+        """`[n, T, P]`: the term of each position of each example's gradient (`TinyGPT`)."""
+        T = X.shape[1]
+        expanded = {n: t.expand(T, *t.shape).clone() for n, t in self.params(self.theta).items()}
+
+        def loss(params, x, y):
+            return self.sum_loss(self.model.functional(params, x), self.problem.targets(y))
+
+        g = grad(loss)
+        out = []
+        for i in range(len(X)):
+            gi = g(expanded, X[i : i + 1], Y[i : i + 1])
+            out.append(torch.cat([gi[n].reshape(T, -1) for n in self.names], dim=1))
+        return torch.stack(out)
 
     def blocks(self):
         """`(start, stop)` of every parameter in the flattening."""
