@@ -209,6 +209,19 @@ def _rotatable(
     return found
 
 
+def _exact_bias_blocks(model: nn.Module, blocks: list[EigenBlock]) -> set[str]:
+    """Names of the dense-factor blocks of `nn.Linear` and convolution biases."""
+    modules = dict(model.named_modules())
+    found = set()
+    for block in blocks:
+        owner, _, attr = block.name.rpartition(".")
+        module = modules.get(owner)
+        layer = isinstance(module, (nn.Linear, nn.modules.conv._ConvNd))
+        if attr == "bias" and layer and len(block.vectors) == 1:
+            found.add(block.name)
+    return found
+
+
 def _rotate_input(q_in: Tensor, module: nn.Module, args: tuple) -> tuple:
     return (args[0] @ q_in, *args[1:])
 
@@ -320,14 +333,13 @@ def _correct(
             # the rotation puts computation between a layer and the loss that backpack needs
             # to see as a reshape (token losses on flattened logits): rotate rows instead
             targets = {}
-    # for the GGN, a block with one dense factor holds the exact block B (biases, layers without
-    # a Kronecker rule: Σ over samples and outputs of (Σ_positions s)(Σ_positions s)ᵀ), so qᵀ B q
-    # is B's eigenvalue, the value it already has. Not so for sampled draws ("mc": the
-    # correction takes fresh ones) nor for the empirical factors of token losses.
-    exact_dense = fisher_type == "type-2"
-    rest = [
-        b for b in blocks if b.name not in targets and not (exact_dense and len(b.vectors) == 1)
-    ]
+    # for the GGN, the dense factor of a Linear or convolution bias is the exact block B
+    # (Σ over samples and outputs of (Σ_positions s)(Σ_positions s)ᵀ), so qᵀ B q is B's
+    # eigenvalue, the value the block already has. Not so for sampled draws ("mc": the
+    # correction takes fresh ones), the empirical factors of token losses, or the dense
+    # factors of other layers (attention's, e.g., approximate their block).
+    exact = _exact_bias_blocks(model, blocks) if fisher_type == "type-2" else set()
+    rest = [b for b in blocks if b.name not in targets and b.name not in exact]
     if targets:
         diagonal = result.quantity(extension.savefield)
         # SumGradSquared holds Σ_n (∇ℓ_n / ν)²: one factor ν back to R Σ_n (qᵀ∇ℓ_n)²
