@@ -40,3 +40,19 @@ def test_kfac_positions():
     assert [IK.positions(model, model[i], X) for i in (0, 2, 5)] == [196, 36, 1]
     model, X, *_ = IK.build("gpt", 2, 1)
     assert IK.positions(model, model.q, X) == X.shape[1]
+
+
+def test_laplace_backends_tiny_run(capsys):
+    """laplace-torch is a test dependency: the backend comparison runs, and every backend that
+    fits gives LaplaceGGN's diagonal curvature (to float32 rounding) on the MLP."""
+    from benchmarks import laplace_backends as LB
+
+    if not LB.available():
+        pytest.skip("laplace-torch is not installed")
+    assert LB.main(["--tiny", "--repeats", "1", "--threads", "1"]) == 0
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines()]
+    diag = [r for r in rows if len(r) > 6 and r[1].strip() == "mlp" and r[2].strip() == "diag"]
+    assert {r[3].strip() for r in diag} >= {"LaplaceGGN", "BackPackGGN"}
+    for r in diag:
+        if "failed" not in r[6]:
+            assert float(r[6]) < 1e-5, r
