@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from backpack.curvature._data import Normaliser, reduction_of, trainable
+from backpack.curvature._distributed import all_sum, guarded, process_group, rank_of
 from backpack.curvature._rows import row_batches
 from backpack.curvature.ekfac import EKFAC, EigenBlock, kfac_eigenblocks
 from backpack.curvature.kfac import KFAC
@@ -51,10 +52,56 @@ _FORMAT = 1
 
 
 def _diagonal_blocks(
-    model, lossfunc, data, fisher, mc_samples, seed, progress, normaliser, num_samples
+    model, lossfunc, data, fisher, mc_samples, seed, progress, normaliser, num_samples, group=None
 ) -> tuple[list[EigenBlock], int]:
-    """`diag F` (the mean over the examples) per parameter, from one sweep of rows."""
+    """`diag F` (the mean over the examples) per parameter, from one sweep of rows.
+
+    Under torch.distributed (`group`), `data` is this rank's shard: the sums and counts of all
+    ranks are added (one all-reduce) and sampled labels use `seed + rank`.
+    """
     params = trainable(model)
+    done, error = guarded(
+        group,
+        lambda: _diagonal_sums(
+            model,
+            lossfunc,
+            data,
+            fisher,
+            mc_samples,
+            seed + (0 if group is None else rank_of(group)),
+            progress,
+            normaliser,
+            num_samples,
+            params,
+        ),
+        "influence.fit",
+    )
+    if group is None:
+        sums, count = done
+    else:
+        sums = (
+            done[0]
+            if done is not None
+            else {
+                name: torch.zeros_like(p, memory_format=torch.contiguous_format)
+                for name, p in params
+            }
+        )
+        (total,) = all_sum(
+            group,
+            list(sums.values()),
+            [done[1] if done is not None else 0],
+            error,
+            "influence.fit",
+        )
+        count = int(round(total))
+    return _diagonal_result(params, sums, count), count
+
+
+def _diagonal_sums(
+    model, lossfunc, data, fisher, mc_samples, seed, progress, normaliser, num_samples, params
+) -> tuple[dict[str, Tensor], int]:
+    """This process's sums of squared rows, and its number of examples."""
     sums = {name: torch.zeros_like(p, memory_format=torch.contiguous_format) for name, p in params}
     count = 0
     devices = [p.device for _, p in params[:1] if p.device.type == "cuda"]
@@ -68,7 +115,7 @@ def _diagonal_blocks(
             for name, value in sites.items():
                 sums[name] += square_sum(value)
             del sites
-        return _diagonal_result(params, sums, count), count
+        return sums, count
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         for batch, rows, _ in row_batches(
@@ -77,7 +124,7 @@ def _diagonal_blocks(
             count += batch.num_samples
             for name, value in rows.items():
                 sums[name] += value.square().sum(0).detach()
-    return _diagonal_result(params, sums, count), count
+    return sums, count
 
 
 def _diagonal_result(params, sums, count) -> list[EigenBlock]:
@@ -417,6 +464,7 @@ def fit(
     progress: bool = False,
     normaliser: Normaliser | None = None,
     num_samples: Callable[[Any], int] | None = None,
+    distributed: bool | None = None,
 ) -> Influence:
     """Fit the curvature approximation of `strategy` to the training data (once).
 
@@ -440,6 +488,10 @@ def fit(
         progress: Show progress bars (tqdm).
         normaliser: Custom `(output, y) -> ν_b`.
         num_samples: Custom `X -> number of samples`.
+        distributed: Under torch.distributed, `train_data` is this rank's shard of the
+            training set and every rank gets the fit of the whole set (None: whenever
+            torch.distributed runs with more than one process; a collective call then). Each
+            rank's `scores(query_data, train_data)` are then the columns of its own shard.
 
     Returns:
         An `Influence` with `scores`, `self_scores`, `save`.
@@ -462,10 +514,11 @@ def fit(
         return Influence(
             model, lossfunc, strategy, info=info, normaliser=normaliser, num_samples=num_samples
         )
+    group = process_group(distributed, "influence.fit")
     common = dict(progress=progress, normaliser=normaliser, num_samples=num_samples)
     if strategy == "diagonal":
         blocks, count = _diagonal_blocks(
-            model, lossfunc, train_data, fisher, mc_samples, seed, **common
+            model, lossfunc, train_data, fisher, mc_samples, seed, **common, group=group
         )
     else:
         operator_args = dict(
@@ -473,6 +526,7 @@ def fit(
             kfac_approx=kfac_approx,
             mc_samples=mc_samples,
             seed=seed,
+            distributed=group is not None,
             **common,
         )
         if strategy == "kfac":
