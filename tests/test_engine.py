@@ -1336,3 +1336,34 @@ def test_probe_positions_of_a_vocabulary_sized_parameter_stay_inside_it():
         index = coverage._probe_index(param)
         assert int(index.max()) == numel - 1 and int(index.min()) == 0
         assert index.unique().numel() == min(numel, 8)
+
+
+class _KeyBiasAttention(torch.nn.Module):
+    """Attention's key bias has zero gradient (softmax is shift invariant per query)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(3, 3) for _ in range(3))
+        self.head = torch.nn.Linear(3, 2)
+
+    def forward(self, x):  # x: [N, T, 3]
+        scores = self.q(x) @ self.k(x).transpose(1, 2)
+        return self.head((scores.softmax(-1) @ self.v(x)).mean(1))
+
+
+def test_no_coverage_warning_for_a_gradient_that_cancels_in_a_frozen_layer():
+    """A key bias whose weight is frozen: nothing in its module to compare its rounding noise
+    with, so the pass's other gradients are the scale (no false 'outside' warning)."""
+    torch.manual_seed(0)
+    model = extend(_KeyBiasAttention().double())
+    model.k.weight.requires_grad_(False)
+    lossfunc = extend(torch.nn.CrossEntropyLoss())
+    x, y = torch.randn(5, 4, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        for _ in range(4):
+            model.zero_grad()
+            with backpack(BatchGrad()):
+                lossfunc(model(x), y).backward()
+    assert model.k.bias.grad_batch.abs().max() < 1e-12
+    assert model.q.weight.grad_batch.abs().max() > 1e-3

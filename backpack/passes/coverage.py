@@ -60,7 +60,13 @@ class _Coverage:
     """
 
     def __init__(
-        self, param: Tensor, name: str, module: nn.Module, rule: ModuleRule, scale: list[Tensor]
+        self,
+        param: Tensor,
+        name: str,
+        module: nn.Module,
+        rule: ModuleRule,
+        scale: list[Tensor],
+        pass_scale: list[Tensor] | None = None,
     ) -> None:
         self.param = param
         self.index = _probe_index(param, rule, name)
@@ -69,6 +75,10 @@ class _Coverage:
         #: against which a mismatch counts, so a gradient that cancels to rounding noise (a
         #: bias before a normalisation) is not mistaken for an outside contribution
         self.scale = scale
+        #: probed contributions of every parameter of the pass (shared): the last resort for a
+        #: gradient that cancels to rounding noise in a module whose other parameters are frozen
+        #: or cancel too (attention's key bias)
+        self.pass_scale = pass_scale if pass_scale is not None else []
         self.label = f"{name} of {describe(module)}"
         self.handle: Any = None
         #: whether this pass checks the parameter (see `cover`)
@@ -110,9 +120,12 @@ class _Coverage:
             # NaN or inf (e.g. one sample's input): nothing can be compared, nothing to report
             return False
         bound = tol * max((abs(v) for v in values), default=0.0) + 1e-30
-        if not all(abs(a - t) <= bound for a, t in pairs) and self.scale:
-            # a gradient cancelling to rounding noise: judge against the module's other entries
-            scale = max(float(p.detach().abs().max()) for p in self.scale if p.numel())
+        for reference in (self.scale, self.pass_scale):
+            if all(abs(a - t) <= bound for a, t in pairs) or not reference:
+                break
+            # a gradient cancelling to rounding noise: judge against the module's other
+            # entries, then against the pass's largest probed entry
+            scale = max((float(p.detach().abs().max()) for p in reference if p.numel()), default=0)
             bound = tol * max(bound / tol, scale) + 1e-30
         if not all(abs(a - t) <= bound for a, t in pairs):
             warnings.warn(
@@ -162,7 +175,10 @@ def cover(
     coverage = state.coverage.get(id(param))
     if coverage is None:
         scale = state.scales.setdefault(id(record.module), [])
-        coverage = state.coverage[id(param)] = _Coverage(param, name, record.module, rule, scale)
+        pass_scale = state.scales.setdefault("pass", [])
+        coverage = state.coverage[id(param)] = _Coverage(
+            param, name, record.module, rule, scale, pass_scale
+        )
         coverage.active = always or _due_for_check(param)
         if coverage.active:
             fields = [e.savefield for e in state.extensions]
@@ -181,5 +197,6 @@ def cover(
         part = rule.grad_sum_entries(record, grads, name, coverage.index)
     coverage.add(part)
     coverage.scale.append(part)
+    coverage.pass_scale.append(part)
     coverage.low_precision = coverage.low_precision or state.low_precision
     return coverage

@@ -152,8 +152,9 @@ class BackwardState:
         self.coverage = {}
         #: (id(record), id(parameter)) pairs already probed
         self.covered: set[tuple[int, int]] = set()
-        #: id(module) -> probed contribution magnitudes of its parameters (see `_Coverage`)
-        self.scales: dict[int, list[Tensor]] = {}
+        #: id(module) -> probed contribution magnitudes of its parameters; "pass" -> of all
+        #: parameters of the pass (see `_Coverage`)
+        self.scales: dict[int | str, list[Tensor]] = {}
         #: group of samples -> (sample count, first module seen with it) in this pass
         self.sample_counts: dict[Any, tuple[int, nn.Module]] = {}
 
