@@ -11,10 +11,9 @@ factor `B` (biases, parameters without a Kronecker rule) use `B`'s eigenbasis th
 from __future__ import annotations
 
 import math
-import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -32,8 +31,6 @@ from backpack.extensions import DiagGGNExact, DiagGGNMC, SumGradSquared
 
 __all__ = ["EKFAC", "EKFACInverse", "EigenBlock"]
 
-#: the coverage check's warning (`backpack.passes.coverage`), silenced in the rows sweep
-_COVERAGE_WARNING = r"Parameter .* also receives gradient from operations outside"
 #: which rows (see `_rows`) give the curvature of each `fisher_type`
 _ROWS = {"type-2": "type-2", "mc": "mc", "empirical": "grad"}
 
@@ -357,15 +354,9 @@ def _correct(
     def local() -> tuple[list[Tensor], float, int]:
         sums = [torch.zeros_like(b.values) for b in rest]
         total, count = 0.0, 0
-        stack = ExitStack()
         try:
             for p in frozen:
                 p.requires_grad_(False)
-            # with a layer's weight frozen here, a bias whose gradient cancels to rounding
-            # (attention's key bias) has nothing to be judged against: the coverage check
-            # would warn falsely. The KFAC sweep checked every parameter's coverage already.
-            stack.enter_context(warnings.catch_warnings())
-            warnings.filterwarnings("ignore", message=_COVERAGE_WARNING, category=UserWarning)
             for batch, rows, nu in row_batches(
                 model,
                 lossfunc,
@@ -382,7 +373,6 @@ def _correct(
                 for s, b in zip(sums, rest):
                     s += b.squares(rows[b.name])
         finally:
-            stack.close()
             for p in frozen:
                 p.requires_grad_(True)
         return sums, total, count
