@@ -91,8 +91,9 @@ def test_remove_hooks_then_reextend():
     assert all(live_records(m) == [] for m in model)
     assert all(len(m._forward_hooks) == 0 for m in model.modules())
     loss = nn.CrossEntropyLoss()(out, y)
-    with backpack(bp_extensions.BatchGrad(), bp_extensions.BatchL2Grad()):
-        loss.backward()
+    with pytest.warns(UserWarning, match="saw no extended module"):  # the forgotten-extend hint
+        with backpack(bp_extensions.BatchGrad(), bp_extensions.BatchL2Grad()):
+            loss.backward()
     for param in model.parameters():
         assert not hasattr(param, "grad_batch") and not hasattr(param, "batch_l2")
         assert param.grad is not None
