@@ -174,9 +174,7 @@ def diagonal_rows(name: str, tiny: bool, repeats: int) -> list[str]:
         for level in needed:
             if needed[level] is None and error <= level:
                 needed[level] = m
-        rows.append(
-            f"| {name} | {size} | {ours_s:.3f} s | {m} | {their_s:.3f} s | {error:.2e} |"
-        )
+        rows.append(f"| {name} | {size} | {ours_s:.3f} s | {m} | {their_s:.3f} s | {error:.2e} |")
     # the error of Hutchinson falls like 1/√m: extrapolate where not reached
     last_m, last_error = m, error
     notes = []
@@ -244,6 +242,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None, help="write the markdown here")
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        default=["fit", "diagonal", "eigen", "memory"],
+        help="which sections to run (default: all)",
+    )
+    parser.add_argument("--fit-problems", nargs="+", default=None, help="problems of the fits")
+    parser.add_argument("--diagonal-problems", nargs="+", default=None, help="of the diagonal")
     args = parser.parse_args(argv)
     if not peers_available():
         print("curvlinops/PyHessian are not installed: run `make install-bench`, use .venv-bench.")
@@ -270,8 +276,8 @@ def main(argv: list[str] | None = None) -> int:
             print(row, flush=True)
             lines.append(row)
 
-    fit_names = ("mlp", "3c3d") if args.tiny else FIT_PROBLEMS
-    for name in fit_names:
+    fit_names = args.fit_problems or (("mlp", "3c3d") if args.tiny else FIT_PROBLEMS)
+    for name in fit_names if "fit" in args.sections else ():
         emit(fit_rows(name, args.tiny, args.repeats))
     lines += [
         "",
@@ -284,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         "| problem | parameters | ours (exact) | m | curvlinops | relative error |",
         "|---|---|---|---|---|---|",
     ]
-    for name in ("mlp",) if args.tiny else ("mlp", "3c3d"):
+    diagonal_names = args.diagonal_problems or (("mlp",) if args.tiny else ("mlp", "3c3d"))
+    for name in diagonal_names if "diagonal" in args.sections else ():
         emit(diagonal_rows(name, args.tiny, args.repeats))
     lines += [
         "",
@@ -298,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         "| model | dense | ours | PyHessian | time ratio |",
         "|---|---|---|---|---|",
     ]
-    for name in ("mlp", "cnn"):
+    for name in ("mlp", "cnn") if "eigen" in args.sections else ():
         emit(eigen_rows(name, args.repeats, args.tiny))
     lines += [
         "",
@@ -307,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         "| problem | KFAC fit, 10 batches | 40 batches | GGN diagonal, 10 batches | 40 batches |",
         "|---|---|---|---|---|",
     ]
-    for name in ("mlp",) if args.tiny else ("mlp", "3c3d"):
+    for name in (("mlp",) if args.tiny else ("mlp", "3c3d")) if "memory" in args.sections else ():
         emit(memory_rows(name, args.tiny))
     text = "\n".join(lines) + "\n"
     if args.out:
