@@ -438,7 +438,7 @@ class GGN(_DataOperator):
                 _, jv = jvp(f, (params,), (tangent,))
                 return vjp_fn(loss_hessian(jv)[0])[0]
 
-            out = self._columns(V, vmap(column))
+            out = self._columns(V, _over_columns(column))
         return out * self._scale(nu), nu
 
     # --- Monte-Carlo GGN: products and diagonal from the same sampled square-root factors ---
@@ -496,6 +496,23 @@ class GGN(_DataOperator):
         return self._accumulated(DiagGGNExact())[0]
 
 
+def _over_columns(column: Callable[[dict], dict]) -> Callable[[dict], dict]:
+    """`column` vmapped over the leading (column) axis of its tangents.
+
+    A single column (Lanczos, power iteration) is passed to `column` directly: vmap's set-up
+    costs up to a third of a small model's product.
+    """
+    batched = vmap(column)
+
+    def product(tangents: dict[str, Tensor]) -> dict[str, Tensor]:
+        if next(iter(tangents.values())).shape[0] != 1:
+            return batched(tangents)
+        out = column({name: t[0] for name, t in tangents.items()})
+        return {name: value.unsqueeze(0) for name, value in out.items()}
+
+    return product
+
+
 class Hessian(_DataOperator):
     """The Hessian of the data-set loss w.r.t. the trainable parameters.
 
@@ -541,7 +558,7 @@ class Hessian(_DataOperator):
                 )
                 return dict(zip(names, hv))
 
-            out = self._columns(V, vmap(column))
+            out = self._columns(V, _over_columns(column))
         return out * self._scale(nu), nu
 
     def diagonal(self) -> Tensor:
