@@ -702,17 +702,30 @@ SCENARIOS = {"main": MAIN, "errors": ERRORS}
 _preload()
 
 
-def worker(rank: int, world: int, port: int, scenario: str, outdir: str) -> None:
+def run_checks(
+    rank: int,
+    world: int,
+    port: int,
+    outdir: str,
+    checks: list[tuple[str, Callable]],
+    timeout_s: float = 30.0,
+) -> None:
+    """A worker's body: join the gloo group, run every `check(rank, world)` and record its
+    failure (or None) by name in `outdir/rank<r>.json`, then exit without teardown."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world,
-        timeout=datetime.timedelta(seconds=30),
+        timeout=datetime.timedelta(seconds=timeout_s),
     )
     checker = Checker(rank, world, outdir)
-    for name, check in SCENARIOS[scenario]:
+    for name, check in checks:
         checker.run(name, lambda check=check: check(rank, world))
     sys.stdout.flush()
-    os._exit(0)  # skip teardown: the last error check leaves DDP's reduction pending
+    os._exit(0)  # skip teardown: an error check may leave DDP's reduction pending
+
+
+def worker(rank: int, world: int, port: int, scenario: str, outdir: str) -> None:
+    run_checks(rank, world, port, outdir, SCENARIOS[scenario])

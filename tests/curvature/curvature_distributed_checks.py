@@ -8,16 +8,12 @@ check's failure (or None) in `outdir/rank<r>.json` after every check.
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
-import sys
-import traceback
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from curvature_problems import PROBLEMS
+from distributed_checks import run_checks
 from torch import nn
 
 from backpack import distributed
@@ -336,25 +332,5 @@ SCENARIOS = {"main": MAIN}
 
 
 def worker(rank: int, world: int, port: int, scenario: str, outdir: str) -> None:
-    torch.set_num_threads(1)
     distributed.TIMEOUT_S = 60.0
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    results: dict[str, str | None] = {}
-    path = os.path.join(outdir, f"rank{rank}.json")
-    for name, check in SCENARIOS[scenario]:
-        try:
-            check(rank, world)
-            results[name] = None
-        except Exception:  # noqa: BLE001 - every failure is reported by name
-            results[name] = traceback.format_exc(limit=8)[-3000:]
-        with open(path + ".tmp", "w") as f:
-            json.dump(results, f)
-        os.replace(path + ".tmp", path)
-    sys.stdout.flush()
-    os._exit(0)
+    run_checks(rank, world, port, outdir, SCENARIOS[scenario], timeout_s=60.0)

@@ -11,9 +11,8 @@ import multiprocessing
 import curvature_distributed_checks
 import pytest
 import torch
-import torch.multiprocessing as mp
 from curvature_problems import PROBLEMS
-from test_distributed import assert_passed, free_port
+from test_distributed import assert_passed, spawn_workers
 
 from backpack.curvature import GGN, accumulate
 from backpack.extensions import DiagGGNExact
@@ -24,35 +23,9 @@ multiprocessing.set_forkserver_preload(["curvature_distributed_checks"])
 
 
 def spawn(world: int, tmp_path, limit: float = 240.0) -> dict:
-    import json
-    import time
-
-    context = mp.start_processes(
-        curvature_distributed_checks.worker,
-        args=(world, free_port(), "main", str(tmp_path)),
-        nprocs=world,
-        join=False,
-        start_method="forkserver",
-    )
-    deadline = time.monotonic() + limit
-    try:
-        while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
-            if time.monotonic() > deadline:
-                break
-    except Exception as err:  # a worker died: report what the others wrote
-        print(err)
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-                process.join(5)
-    results: dict[str, dict[int, str | None]] = {}
-    for rank in range(world):
-        path = tmp_path / f"rank{rank}.json"
-        found = json.loads(path.read_text()) if path.exists() else {}
-        for name, _ in curvature_distributed_checks.SCENARIOS["main"]:
-            results.setdefault(name, {})[rank] = found.get(name, "no result (hang or crash)")
-    return results
+    names = [name for name, _ in curvature_distributed_checks.SCENARIOS["main"]]
+    worker = curvature_distributed_checks.worker
+    return spawn_workers(worker, ("main",), names, world, tmp_path, limit)
 
 
 @pytest.mark.parametrize("world", [2, 3])

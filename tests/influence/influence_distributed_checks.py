@@ -9,14 +9,10 @@ None) to `outdir/rank<r>.json`.
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
-import sys
-import traceback
+from functools import partial
 
 import torch
-import torch.distributed as dist
+from distributed_checks import run_checks
 from influence_problems import PROBLEMS
 
 from backpack import distributed
@@ -48,7 +44,7 @@ def check(name: str, strategy: str, fisher: str, rank: int, world: int) -> None:
     lossfunc = problem.make_loss("mean")
     local, columns = shard(problem, rank, world)
     ours = fit(model, lossfunc, local, strategy, fisher=fisher, distributed=True)
-    whole = fit(model, lossfunc, problem.train(), strategy, fisher=fisher, distributed=False)
+    whole = fit(model, lossfunc, problem.train(), strategy, fisher=fisher, distributed=True)
     assert ours.info["num_samples"] == whole.info["num_samples"] == problem.X.shape[0]
     for a, b in zip(ours.blocks, whole.blocks):
         torch.testing.assert_close(a.values, b.values, rtol=1e-9, atol=1e-12, msg=a.name)
@@ -61,27 +57,10 @@ def check(name: str, strategy: str, fisher: str, rank: int, world: int) -> None:
     )
 
 
+#: `(label, check(rank, world))` of every case
+CHECKS = [("-".join(case), partial(check, *case)) for case in CASES]
+
+
 def worker(rank: int, world: int, port: int, outdir: str) -> None:
-    torch.set_num_threads(1)
     distributed.TIMEOUT_S = 60.0
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    results: dict[str, str | None] = {}
-    path = os.path.join(outdir, f"rank{rank}.json")
-    for case in CASES:
-        label = "-".join(case)
-        try:
-            check(*case, rank, world)
-            results[label] = None
-        except Exception:  # noqa: BLE001 - every failure is reported by name
-            results[label] = traceback.format_exc(limit=8)[-3000:]
-        with open(path + ".tmp", "w") as f:
-            json.dump(results, f)
-        os.replace(path + ".tmp", path)
-    sys.stdout.flush()
-    os._exit(0)
+    run_checks(rank, world, port, outdir, CHECKS, timeout_s=60.0)
