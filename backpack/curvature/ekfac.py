@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -188,38 +188,38 @@ def _per_block(damping: float | Mapping[str, float], names: list[str]) -> dict[s
     return values
 
 
+def _owned(model: nn.Module, blocks: list[EigenBlock]) -> Iterator[tuple[EigenBlock, Any, str]]:
+    """Each block with the module owning its parameter and the parameter's attribute name."""
+    modules = dict(model.named_modules())
+    for block in blocks:
+        owner, _, attr = block.name.rpartition(".")
+        yield block, modules.get(owner), attr
+
+
 def _rotatable(
     model: nn.Module, blocks: list[EigenBlock]
 ) -> dict[str, tuple[nn.Linear, EigenBlock]]:
     """Blocks of `nn.Linear` weights (called as modules, not tied) in a Kronecker eigenbasis."""
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    modules = dict(model.named_modules())
-    found = {}
-    for block in blocks:
-        owner, _, attr = block.name.rpartition(".")
-        module = modules.get(owner)
-        if (
-            attr == "weight"
-            and type(module) is nn.Linear
-            and len(block.vectors) == 2
-            and not block.transposed
-            and uses[id(module.weight)] == 1
-        ):
-            found[block.name] = (module, block)
-    return found
+    return {
+        block.name: (module, block)
+        for block, module, attr in _owned(model, blocks)
+        if attr == "weight"
+        and type(module) is nn.Linear
+        and len(block.vectors) == 2
+        and not block.transposed
+        and uses[id(module.weight)] == 1
+    }
 
 
 def _exact_bias_blocks(model: nn.Module, blocks: list[EigenBlock]) -> set[str]:
     """Names of the dense-factor blocks of `nn.Linear` and convolution biases."""
-    modules = dict(model.named_modules())
-    found = set()
-    for block in blocks:
-        owner, _, attr = block.name.rpartition(".")
-        module = modules.get(owner)
-        layer = isinstance(module, (nn.Linear, nn.modules.conv._ConvNd))
-        if attr == "bias" and layer and len(block.vectors) == 1:
-            found.add(block.name)
-    return found
+    layers = (nn.Linear, nn.modules.conv._ConvNd)
+    return {
+        block.name
+        for block, module, attr in _owned(model, blocks)
+        if attr == "bias" and isinstance(module, layers) and len(block.vectors) == 1
+    }
 
 
 def _rotate_input(q_in: Tensor, module: nn.Module, args: tuple) -> tuple:
