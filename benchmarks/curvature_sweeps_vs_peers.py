@@ -27,7 +27,6 @@ it prints a note and exits 0):
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import time
@@ -43,15 +42,10 @@ from backpack import backpack, extend
 from backpack.curvature import EKFAC, GGN, KFAC, Hessian, eigvalsh
 from backpack.extensions import KFLR
 from benchmarks import curvature_vs_peers, problems
+from benchmarks.curvature_vs_peers import peers_available
 from benchmarks.run import peak_extra_bytes
 
-PEERS = ("curvlinops", "pyhessian")
 FIT_PROBLEMS = ("mlp", "3c3d", "allcnnc_small", "resnet_small")
-
-
-def peers_available() -> bool:
-    """Whether curvlinops and PyHessian are installed (the benchmark environment)."""
-    return all(importlib.util.find_spec(name) is not None for name in PEERS)
 
 
 def loader(name: str, batches: int, tiny: bool) -> tuple[nn.Module, nn.Module, list]:
