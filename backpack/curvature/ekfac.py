@@ -209,6 +209,8 @@ def _rotatable(
         and len(block.vectors) == 2
         and not block.transposed
         and uses[id(module.weight)] == 1
+        # 16-bit weights have float32 factors: the rotated layer would mix dtypes (rows instead)
+        and block.vectors[0].dtype == module.weight.dtype
     }
 
 

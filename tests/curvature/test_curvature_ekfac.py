@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from curvature_problems import PROBLEMS, Problem, Reference
@@ -198,3 +200,33 @@ def test_ekfac_reduce_matches_brute_force(name):
     kfac = KFAC(model, lossfunc, problem.batches(SIZES), kfac_approx="reduce")
     ref = Reference(problem, model, "mean")
     close(op.to_dense(), brute_force(kfac, ref, ref.ggn()))
+
+
+def test_bfloat16_weights_keep_float32_eigenvalues():
+    """16-bit weights: float32 factors and eigenvalues (the rows path), close to a float32 fit."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    X, y = torch.randn(7, 4), torch.randint(0, 3, (7,))
+    data = [(X[:4], y[:4]), (X[4:], y[4:])]
+    reference = EKFAC(model, nn.CrossEntropyLoss(), data)
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    op = EKFAC(half, nn.CrossEntropyLoss(), [(x.to(torch.bfloat16), t) for x, t in data])
+    for a, b in zip(op.blocks, reference.blocks):
+        assert a.values.dtype == torch.float32
+        torch.testing.assert_close(a.values, b.values, rtol=0.1, atol=0.02 * b.values.max())
+
+
+@pytest.mark.parametrize("fisher", ["type-2", "mc", "empirical"])
+def test_rotated_fit_leaves_the_model_as_it_was(fisher):
+    """The rotated-weight sweep swaps weights and freezes parameters for a while: afterwards
+    the same parameter objects, trainable, with their `.grad` untouched."""
+    problem = PROBLEMS["mlp_ce"]
+    model = problem.model()
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.full_like(p, 3.0)
+    EKFAC(model, problem.make_loss("mean"), problem.batches(SIZES), fisher_type=fisher)
+    assert list(model.parameters()) == params
+    for p in params:
+        assert p.requires_grad and torch.equal(p.grad, torch.full_like(p, 3.0))
+        assert not hasattr(p, "diag_ggn_exact") and not hasattr(p, "sum_grad_squared")
