@@ -280,3 +280,21 @@ def test_accumulate_concatenates_the_batches_rows(reduction):
     accumulate(model, nn.CrossEntropyLoss(reduction=reduction), batches, BatchJacobian())
     for name, p in model.named_parameters():
         close(p.jac_batch, expected[name], name)
+
+
+def test_flat_jacobians_of_bfloat16_weights_and_autocast_are_float32():
+    """16-bit layers: the one buffer is float32 (the rules' promoted results written in place),
+    close to the float32 model's Jacobians."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(DEVICE)
+    x = torch.randn(6, 4, device=DEVICE)
+    _, expected = backpack.jacobians(copy.deepcopy(model), x, flatten=True)
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    _, flat = backpack.jacobians(half, x.to(torch.bfloat16), flatten=True)
+    with torch.autocast(DEVICE.type, torch.bfloat16):
+        _, autocast = backpack.jacobians(copy.deepcopy(model), x, flatten=True)
+    for got in (flat, autocast):
+        assert got.dtype == torch.float32 and got.shape == expected.shape
+        torch.testing.assert_close(got, expected, rtol=0.05, atol=0.02)
