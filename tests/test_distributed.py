@@ -95,12 +95,14 @@ def test_errors_do_not_hang(tmp_path):
     assert_passed(spawn("errors", 2, tmp_path))
 
 
+# the forgotten-extend hint (once per process, so not asserted here): nothing is extended
+@pytest.mark.filterwarnings("ignore:.*saw no extended module take part:UserWarning")
 def test_without_torch_distributed():
     """Not initialised: sync=None does nothing, sync=True says what is missing."""
     assert not torch.distributed.is_initialized()
-    with pytest.warns(UserWarning, match="computed nothing"), backpack(BatchGrad()) as ctx:
+    with backpack(BatchGrad()) as ctx:
         assert ctx._engine.sync is None
-        ctx._engine.passes = 1  # a pass "ran" through no extended module: the hint says so
+        ctx._engine.passes = 1  # nothing ran: no "nothing extended" warning
     with pytest.raises(RuntimeError, match="init_process_group"), backpack(BatchGrad(), sync=True):
         pass
     with pytest.raises(TypeError, match="DistributedDataParallel"), backpack(sync="yes"):
