@@ -12,14 +12,16 @@ it prints a note and exits 0):
   `compute_kronecker_factors()` and `EKFACLinearOperator` + `compute_eigenvalue_correction()`,
   type-2 Fisher, `kfac_approx="expand"`. For scale, "KFLR loop": a plain loop of backward passes
   inside `backpack(KFLR())` that sums the factors (what the operator does, without its
-  bookkeeping). Time ratio = median of interleaved paired ratios ours / curvlinops.
+  bookkeeping). Time ratio = median of interleaved paired ratios ours / curvlinops, in CPU time
+  of the process (`time.process_time`, robust to other jobs on a shared machine).
 - **GGN diagonal**: ours is exact, one sweep (`GGN(...).diagonal()`, `DiagGGNExact`);
   curvlinops estimates it with `hutchinson_diag(GGNLinearOperator, m)`. Reported: the error of
   their estimate for several m, and the m needed for 10% and 1% relative error, against our
   exact diagonal (they agree with the dense GGN to rounding, see `curvature_vs_peers`).
 - **Top Hessian eigenvalue to 1e-3 relative**: ours `eigvalsh(Hessian(...), k=1, tol=...)`
-  (Lanczos) against PyHessian's `eigenvalues(tol=1e-3)` (power iteration) on the small MLP and
-  CNN of `curvature_vs_peers` (float64, 10 batches), both checked against the dense Hessian.
+  (Lanczos) against PyHessian's `eigenvalues(tol=...)` (power iteration) on the small MLP and
+  CNN of `curvature_vs_peers` (float64, 10 batches), each with the loosest tolerance of a list
+  whose eigenvalue is within 1e-3 of the dense Hessian's top eigenvalue.
 - **Streaming memory**: peak extra CPU memory of our KFAC fit and GGN diagonal over 10 and 40
   batches (torch profiler): independent of the number of batches.
 """
@@ -64,11 +66,11 @@ def paired(ours: Callable[[], Any], theirs: Callable[[], Any], repeats: int) -> 
     ours(), theirs()  # warm-up
     ratios = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = time.process_time()
         ours()
-        mid = time.perf_counter()
+        mid = time.process_time()
         theirs()
-        ratios.append((mid - start) / (time.perf_counter() - mid))
+        ratios.append((mid - start) / (time.process_time() - mid))
     return ratios
 
 
@@ -77,9 +79,9 @@ def seconds(step: Callable[[], Any], repeats: int) -> float:
     step()
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = time.process_time()
         step()
-        times.append(time.perf_counter() - start)
+        times.append(time.process_time() - start)
     return statistics.median(times)
 
 
@@ -161,9 +163,9 @@ def diagonal_rows(name: str, tiny: bool, repeats: int) -> list[str]:
         if m >= size:
             break
         torch.manual_seed(0)
-        start = time.perf_counter()
+        start = time.process_time()
         estimate = C.hutchinson_diag(op, m)
-        their_s = time.perf_counter() - start
+        their_s = time.process_time() - start
         error = float((estimate - exact).norm() / exact.norm())
         for level in needed:
             if needed[level] is None and error <= level:
@@ -189,24 +191,34 @@ def eigen_rows(name: str, repeats: int, tiny: bool) -> list[str]:
     lossfunc = nn.CrossEntropyLoss()
     top = float(torch.linalg.eigvalsh(Hessian(model, lossfunc, data).to_dense())[-1])
 
-    def ours():
-        return float(eigvalsh(Hessian(model, lossfunc, data), k=1, tol=1e-2)[-1])
+    def ours(tol: float) -> float:
+        return float(eigvalsh(Hessian(model, lossfunc, data), k=1, tol=tol)[-1])
 
-    def theirs():
+    def theirs(tol: float) -> float:
         default = torch.get_default_dtype()
         torch.set_default_dtype(torch.float64)  # PyHessian draws float32 vectors otherwise
         try:
             torch.manual_seed(0)
             h = pyhessian(model, lossfunc, dataloader=data, cuda=False)
-            return float(h.eigenvalues(maxIter=300, tol=1e-3)[0][0])
+            return float(h.eigenvalues(maxIter=300, tol=tol)[0][0])
         finally:
             torch.set_default_dtype(default)
 
-    a, b = ours(), theirs()
-    ratios = paired(ours, theirs, repeats)
+    def loosest(run: Callable[[float], float], tols: tuple[float, ...]) -> tuple[float, float]:
+        """The loosest tolerance (and its value) whose eigenvalue is within 1e-3 of the top."""
+        for tol in tols:
+            value = run(tol)
+            if abs(value - top) <= 1e-3 * abs(top):
+                return tol, value
+        return tols[-1], value
+
+    tol_a, a = loosest(ours, (1e-1, 5e-2, 3e-2, 1e-2, 1e-3))
+    tol_b, b = loosest(theirs, (1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 1e-5))
+    ratios = paired(lambda: ours(tol_a), lambda: theirs(tol_b), repeats)
     return [
-        f"| {name} | {top:.8g} | {a:.8g} ({abs(a - top) / abs(top):.0e}) "
-        f"| {b:.8g} ({abs(b - top) / abs(top):.0e}) | {statistics.median(ratios):.2f} |"
+        f"| {name} | {top:.8g} | {a:.8g} ({abs(a - top) / abs(top):.0e}, tol {tol_a:g}) "
+        f"| {b:.8g} ({abs(b - top) / abs(top):.0e}, tol {tol_b:g}) "
+        f"| {statistics.median(ratios):.2f} |"
     ]
 
 
@@ -256,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
         "`python -m benchmarks.curvature_sweeps_vs_peers`"
         f"{' --tiny' if args.tiny else ''}. Time ratios ours / theirs (< 1: ours faster), "
-        f"median (and range) of {args.repeats} interleaved pairs after a warm-up.",
+        f"median (and range) of {args.repeats} interleaved pairs after a warm-up, "
+        "in CPU time of the process (robust to other jobs on a shared machine).",
         "",
         "## KFAC and EK-FAC fits over a 10-batch loader (float32, type-2, expand)",
         "",
@@ -291,10 +304,12 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "## Top Hessian eigenvalue to 1e-3 relative (float64, 10 batches)",
         "",
-        "Ours: `eigvalsh(Hessian(...), k=1, tol=1e-2)` (Lanczos, the residual tolerance relative "
-        "to the eigenvalue; the eigenvalue error is about its square). PyHessian: "
-        "`eigenvalues(maxIter=300, tol=1e-3)`. In brackets: relative error to the dense "
-        "Hessian's top eigenvalue.",
+        "Ours: `eigvalsh(Hessian(...), k=1, tol=...)` (Lanczos; the Hessian's gradient graphs "
+        "are kept between its products, `Hessian.cached`). PyHessian: "
+        "`eigenvalues(maxIter=300, tol=...)` (power iteration). Each with the loosest of its "
+        "tolerances whose eigenvalue is within 1e-3 of the dense Hessian's top eigenvalue "
+        "(ours from 1e-1, 5e-2, 3e-2, 1e-2, 1e-3; PyHessian's from 1e-2, 3e-3, 1e-3, 3e-4, "
+        "1e-4, 1e-5). In brackets: relative error to the dense top eigenvalue, and the tolerance.",
         "",
         "| model | dense | ours | PyHessian | time ratio |",
         "|---|---|---|---|---|",

@@ -7,6 +7,7 @@ counted in matrix-vector products with `op`; for the data-set operators, a produ
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -28,6 +29,12 @@ def _info(op: Any) -> tuple[int, torch.dtype, torch.device]:
             raise ValueError(f"Need a square matrix, got shape {tuple(op.shape)}.")
         return op.shape[0], op.dtype, op.device
     return op.shape[0], op.dtype, op.device
+
+
+def _reusing(op: Any) -> AbstractContextManager:
+    """The operator's `cached()` block (products inside it reuse work, e.g. Hessian graphs)."""
+    cached = None if isinstance(op, Tensor) else getattr(op, "cached", None)
+    return cached() if callable(cached) else nullcontext()
 
 
 def _random(size: int, columns: int, seed: int, distribution: str, dtype, device) -> Tensor:
@@ -106,9 +113,10 @@ def hutchpp_trace(
     r = num_matvecs - 2 * s
     S = _random(size, s, seed, distribution, dtype, device)
     G = _random(size, r, seed + 1, distribution, dtype, device)
-    Q, _ = torch.linalg.qr(op @ S)
-    G = G - Q @ (Q.T @ G)
-    both = op @ torch.cat([Q, G], dim=1)
+    with _reusing(op):
+        Q, _ = torch.linalg.qr(op @ S)
+        G = G - Q @ (Q.T @ G)
+        both = op @ torch.cat([Q, G], dim=1)
     AQ, AG = both[:, : Q.shape[1]], both[:, Q.shape[1] :]
     return (Q * AQ).sum() + (G * AG).sum() / r
 
@@ -129,9 +137,10 @@ def _leave_one_out(op: Any, num_matvecs: int, seed: int, distribution: str):
     size, dtype, device = _info(op)
     s = num_matvecs // 2
     Omega = _random(size, s, seed, distribution, dtype, device)
-    Y = op @ Omega
-    Q, R = torch.linalg.qr(Y)
-    Z = op @ Q
+    with _reusing(op):
+        Y = op @ Omega
+        Q, R = torch.linalg.qr(Y)
+        Z = op @ Q
     threshold = torch.finfo(dtype).eps ** 0.75
     bases = []
     for i in range(s):
@@ -272,10 +281,26 @@ def eigvalsh(
     steps = max_iter if max_iter is not None else min(size, max(20 * k, 100))
     steps = max(min(steps, size), k)
     basis = torch.empty(size, steps + 1, dtype=dtype, device=device)
-    alphas: list[Tensor] = []
-    betas: list[Tensor] = []
     v = _random(size, 1, seed, "normal", dtype, device)[:, 0]
     basis[:, 0] = v / v.norm()
+    with _reusing(op):
+        values, vectors, m = _lanczos_top(op, basis, k, tol, seed)
+    eigenvalues = values.flip(0)[:k]
+    if not return_eigenvectors:
+        return eigenvalues
+    ritz = basis[:, :m] @ vectors.flip(1)[:, :k]
+    return eigenvalues, ritz
+
+
+def _lanczos_top(op: Any, basis: Tensor, k: int, tol: float, seed: int) -> tuple:
+    """Lanczos steps into `basis` (column 0 the start) until the top k Ritz pairs converge.
+
+    Returns `(θ, S, m)`: the eigenpairs of the `m x m` tridiagonal `T_m`.
+    """
+    size, dtype, device = basis.shape[0], basis.dtype, basis.device
+    steps = basis.shape[1] - 1
+    alphas: list[Tensor] = []
+    betas: list[Tensor] = []
     values = vectors = None
     for j in range(steps):
         w = op @ basis[:, j]
@@ -306,9 +331,4 @@ def eigvalsh(
             continue
         betas.append(beta)
         basis[:, j + 1] = w / beta
-    m = len(alphas)
-    eigenvalues = values.flip(0)[:k]
-    if not return_eigenvectors:
-        return eigenvalues
-    ritz = basis[:, :m] @ vectors.flip(1)[:, :k]
-    return eigenvalues, ritz
+    return values, vectors, len(alphas)

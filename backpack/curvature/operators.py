@@ -10,8 +10,9 @@ per-sample quantities.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -71,6 +72,14 @@ class CurvatureOperator:
 
     def _matmat(self, V: Tensor) -> Tensor:
         raise NotImplementedError
+
+    @contextmanager
+    def cached(self, max_bytes: int | None = None) -> Iterator[None]:
+        """Reuse work between the products made inside the block (see `Hessian.cached`).
+
+        A no-op for operators whose products have nothing to keep.
+        """
+        yield
 
     def __matmul__(self, v: Tensor) -> Tensor:
         """The product with `v` of shape `[P]` or `[P, K]` (same shape out)."""
@@ -197,14 +206,15 @@ class CGInverse(CurvatureOperator):
         if self.preconditioner is not None:
             precondition = self.preconditioner.__matmul__
         try:
-            X, self.info = conjugate_gradients(
-                lambda W: self.op @ W + self.damping * W,
-                V,
-                tol=self.tol,
-                max_iter=self.max_iter,
-                preconditioner=precondition,
-                name=name,
-            )
+            with self.op.cached():  # e.g. the Hessian's graphs, kept over the iterations
+                X, self.info = conjugate_gradients(
+                    lambda W: self.op @ W + self.damping * W,
+                    V,
+                    tol=self.tol,
+                    max_iter=self.max_iter,
+                    preconditioner=precondition,
+                    name=name,
+                )
         except NotPositiveDefiniteError as err:
             if isinstance(self.op, Hessian) and "pᵀSp" in str(err):
                 raise NotPositiveDefiniteError(
@@ -527,13 +537,84 @@ class Hessian(_DataOperator):
     Hessian is indefinite in general, and a direction of negative curvature met by CG raises.
     """
 
-    def _batch_product(self, batch, V):  # noqa: D102
+    # graphs kept by `cached()`: at most this many bytes of saved tensors over all batches
+    KEPT_GRAPH_BYTES = 256 * 2**20
+    _kept: _KeptGraphs | None = None
+
+    @contextmanager
+    def cached(self, max_bytes: int | None = None) -> Iterator[None]:
+        """Keep every batch's gradient graph between the products made inside the block.
+
+        The first product inside the block sweeps the data as usual and keeps each batch's
+        graph (the forward and the backward with `create_graph`); later products then cost one
+        backward per batch through the kept graphs (about a third of a sweep), with no forward
+        and no data loading. Graphs are kept only while the tensors they save take at most
+        `max_bytes` (default `KEPT_GRAPH_BYTES`, 256 MiB) over all batches; otherwise every
+        product sweeps as outside the block. Everything is freed when the block ends.
+        `eigvalsh`, the trace and diagonal estimators, `lanczos_quadrature`, `spectral_density`,
+        `slq_logdet` and `inverse(λ)` use this block.
+
+        Inside it, dropout masks and other random choices of the forward are those of the first
+        product, and the model's parameters must not change (a changed model raises).
+        """
+        if self._kept is not None:  # nested: the outer block keeps
+            yield
+            return
+        budget = self.KEPT_GRAPH_BYTES if max_bytes is None else max_bytes
+        self._kept = _KeptGraphs(budget)
+        try:
+            yield
+        finally:
+            self._kept = None
+
+    def _matmat(self, V: Tensor) -> Tensor:
+        kept = self._kept
+        if kept is None or not kept.complete:
+            if kept is not None:
+                kept.restart()  # a sweep that raised half-way may have kept some graphs
+            out = super()._matmat(V)
+            if kept is not None and kept.graphs is not None:
+                kept.complete = True
+            return out
+        self._check_model()
+
+        def local() -> tuple[Tensor, float]:
+            # one backward through all kept graphs: Σ_b s_b H_b V with each batch's scale s_b
+            total = sum(graph.nu for graph in kept.graphs)
+            pairs = [
+                (graph.grads[i], self._scale(graph.nu), graph.names[i])
+                for graph in kept.graphs
+                for i in graph.live
+            ]
+            if not pairs:
+                return torch.zeros_like(V), total
+            names, params = self.names, kept.graphs[0].params
+
+            def column(tangents: dict[str, Tensor]) -> dict[str, Tensor]:
+                hv = torch.autograd.grad(
+                    [g for g, _, _ in pairs],
+                    params,
+                    [tangents[name] * scale for _, scale, name in pairs],
+                    retain_graph=True,
+                    allow_unused=True,
+                    materialize_grads=True,
+                )
+                return dict(zip(names, hv))
+
+            with torch.enable_grad():
+                return self._columns(V, _over_columns(column)), total
+
+        out, total = self._global(local, torch.zeros_like(V))
+        return out / total if self.reduction == "mean" else out
+
+    def _graph(self, batch: Batch) -> _Graph:
+        """The batch's loss gradient with its graph (`create_graph`), and its `ν`."""
         names, params = zip(*trainable(self.model))
         with disable(), torch.enable_grad():
             output = self.model(batch.X)
             nu = self._nu(output.detach(), batch.y) if self.reduction == "mean" else 1.0
             if self.reduction == "mean" and nu == 0:
-                return None, nu
+                return _Graph(names, params, (), [], nu)
             loss = self.lossfunc(output, batch.y)
             # reverse-over-reverse (forward-over-reverse trips over torch's zero tangents of some
             # losses' targets, e.g. MSELoss): the gradient's graph is built once with plain
@@ -543,23 +624,40 @@ class Hessian(_DataOperator):
             grads = torch.autograd.grad(
                 loss, params, create_graph=True, allow_unused=True, materialize_grads=True
             )
-            live = [i for i, g in enumerate(grads) if g.requires_grad]
+        live = [i for i, g in enumerate(grads) if g.requires_grad]
+        return _Graph(names, params, grads, live, nu)
 
-            def column(tangents: dict[str, Tensor]) -> dict[str, Tensor]:
-                if not live:
-                    return {name: torch.zeros_like(tangents[name]) for name in names}
-                hv = torch.autograd.grad(
-                    [grads[i] for i in live],
-                    params,
-                    [tangents[names[i]] for i in live],
-                    retain_graph=True,
-                    allow_unused=True,
-                    materialize_grads=True,
-                )
-                return dict(zip(names, hv))
+    def _batch_product(self, batch, V):  # noqa: D102
+        kept = self._kept
+        if kept is None or kept.graphs is None:
+            return self._graph_product(self._graph(batch), V)
+        with kept.counting(self.model):
+            graph = self._graph(batch)
+        kept.add(graph)
+        return self._graph_product(graph, V)
 
+    def _graph_product(self, graph: _Graph, V: Tensor) -> tuple[Tensor | None, float]:
+        """The batch's Hessian times V's columns, through its gradient's graph."""
+        names, params, grads, live = graph.names, graph.params, graph.grads, graph.live
+        if not grads:
+            return None, graph.nu
+
+        def column(tangents: dict[str, Tensor]) -> dict[str, Tensor]:
+            if not live:
+                return {name: torch.zeros_like(tangents[name]) for name in names}
+            hv = torch.autograd.grad(
+                [grads[i] for i in live],
+                params,
+                [tangents[names[i]] for i in live],
+                retain_graph=True,
+                allow_unused=True,
+                materialize_grads=True,
+            )
+            return dict(zip(names, hv))
+
+        with torch.enable_grad():
             out = self._columns(V, _over_columns(column))
-        return out * self._scale(nu), nu
+        return out * self._scale(graph.nu), graph.nu
 
     def diagonal(self) -> Tensor:
         """The exact diagonal (`DiagHessian` over the data, or Hessian-vector products)."""
@@ -572,6 +670,56 @@ class Hessian(_DataOperator):
                 stacklevel=2,
             )
             return super().diagonal()
+
+
+class _Graph(NamedTuple):
+    """One batch's gradient with its graph: what a Hessian product backpropagates through."""
+
+    names: tuple[str, ...]
+    params: tuple[Tensor, ...]
+    grads: tuple[Tensor, ...]
+    live: list[int]
+    nu: float
+
+
+class _KeptGraphs:
+    """The graphs `Hessian.cached` keeps: recorded on the first sweep while within budget."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.graphs: list[_Graph] | None = []  # None: over budget, products sweep
+        self.complete = False
+        self.restart()
+
+    def restart(self) -> None:
+        """Forget the graphs of an unfinished sweep (not the verdict of being over budget)."""
+        if self.graphs is not None:
+            self.graphs = []
+        self.bytes = 0
+        self._seen: set[int] = set()
+
+    @contextmanager
+    def counting(self, model: nn.Module) -> Iterator[None]:
+        """Count the bytes of the tensors autograd saves inside the block (once per storage)."""
+        self._seen |= {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+        def pack(t: Tensor) -> Tensor:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in self._seen:
+                self._seen.add(storage.data_ptr())
+                self.bytes += storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+
+    def add(self, graph: _Graph) -> None:
+        if self.graphs is None:
+            return
+        if self.bytes > self.budget:
+            self.graphs = None  # over budget: drop what was kept
+            return
+        self.graphs.append(graph)
 
 
 class EmpiricalFisher(_DataOperator):

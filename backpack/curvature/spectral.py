@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from backpack.curvature.estimators import _info, _random
+from backpack.curvature.estimators import _info, _random, _reusing
 
 __all__ = ["lanczos_quadrature", "spectral_density", "slq_logdet"]
 
@@ -72,27 +72,29 @@ def lanczos_quadrature(
     lengths = torch.full((num_probes,), steps, dtype=torch.long)
     active = torch.ones(num_probes, dtype=torch.bool)
     eps = torch.finfo(dtype).eps
-    for j in range(steps):
-        idx = active.nonzero().flatten()
-        if idx.numel() == 0:
-            break
-        W = op @ basis[j][:, idx]
-        alphas[j, idx] = (basis[j][:, idx] * W).sum(0)
-        previous = basis[: j + 1][:, :, idx]
-        for _ in range(2):  # full reorthogonalisation, twice is enough
-            W = W - torch.einsum("kpl,kl->pl", previous, torch.einsum("kpl,pl->kl", previous, W))
-        beta = W.norm(dim=0)
-        betas[j, idx] = beta
-        if j + 1 == steps:
-            break
-        scale = torch.cat([alphas[: j + 1, idx].abs(), betas[: j + 1, idx]]).amax(0)
-        done = beta <= eps * size * scale.clamp(min=torch.finfo(dtype).tiny)
-        for local, column in enumerate(idx.tolist()):
-            if bool(done[local]):
-                active[column] = False
-                lengths[column] = j + 1
-            else:
-                basis[j + 1][:, column] = W[:, local] / beta[local]
+    with _reusing(op):
+        for j in range(steps):
+            idx = active.nonzero().flatten()
+            if idx.numel() == 0:
+                break
+            W = op @ basis[j][:, idx]
+            alphas[j, idx] = (basis[j][:, idx] * W).sum(0)
+            previous = basis[: j + 1][:, :, idx]
+            for _ in range(2):  # full reorthogonalisation, twice is enough
+                coefficients = torch.einsum("kpl,pl->kl", previous, W)
+                W = W - torch.einsum("kpl,kl->pl", previous, coefficients)
+            beta = W.norm(dim=0)
+            betas[j, idx] = beta
+            if j + 1 == steps:
+                break
+            scale = torch.cat([alphas[: j + 1, idx].abs(), betas[: j + 1, idx]]).amax(0)
+            done = beta <= eps * size * scale.clamp(min=torch.finfo(dtype).tiny)
+            for local, column in enumerate(idx.tolist()):
+                if bool(done[local]):
+                    active[column] = False
+                    lengths[column] = j + 1
+                else:
+                    basis[j + 1][:, column] = W[:, local] / beta[local]
     nodes = torch.zeros(num_probes, steps, dtype=dtype, device=device)
     weights = torch.zeros(num_probes, steps, dtype=dtype, device=device)
     for column in range(num_probes):

@@ -159,6 +159,9 @@ def operators_case(name: str, reduction: str):
             close(op @ V[:, 0], ref @ V[:, 0], f"{Op.__name__} @ v")
             close(op.diagonal(), ref.diagonal(), f"{Op.__name__}.diagonal()")
             close(op.trace(), ref.trace(), f"{Op.__name__}.trace()")
+            with op.cached():  # Hessian: kept graphs, each rank its own shard's
+                close(op @ V, ref @ V, f"{Op.__name__} @ V, cached")
+                close(op @ V[:, 1], ref @ V[:, 1], f"{Op.__name__} @ v, cached")
         x = GGN(model, lossfunc, mine, distributed=True).inverse(0.1) @ V
         close(x, GGN(model, lossfunc, everything, distributed=False).inverse(0.1) @ V, "CG")
         for fisher_type in ("type-2", "empirical"):

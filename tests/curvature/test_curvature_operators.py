@@ -183,3 +183,92 @@ def test_hessian_with_unused_parameter():
     expected = torch.autograd.functional.hessian(loss_of, theta)
     close(Hessian(model, lossfunc, data).to_dense(), expected)
     assert expected[:2].abs().max() == 0  # `unused` comes first (own parameters first)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("name", ["mlp_ce", "mlp_mse", "cnn_ce", "token_ce"])
+def test_hessian_cached_products(name, reduction):
+    """Products through kept graphs equal the brute-force Hessian's; each forward runs once."""
+    problem = PROBLEMS[name]
+    model = problem.model()
+    expected = Reference(problem, model, reduction).hessian()
+    op = Hessian(model, problem.make_loss(reduction), problem.batches(SIZES))
+    calls = []
+    handle = model.register_forward_hook(lambda *args: calls.append(1))
+    V = torch.randn(expected.shape[0], 3, dtype=torch.float64)
+    with op.cached():
+        close(op @ V, expected @ V)
+        assert len(calls) == len(SIZES)
+        close(op @ V[:, 1], expected @ V[:, 1])
+        with op.cached():  # nested: the outer block's graphs
+            close(op @ V[:, :2], expected @ V[:, :2])
+        assert len(calls) == len(SIZES)
+    close(op @ V, expected @ V)
+    assert len(calls) == 2 * len(SIZES)  # the block freed its graphs
+    handle.remove()
+
+
+def test_hessian_cache_budget_and_changes():
+    """Over budget every product sweeps; a changed model raises; a failed sweep keeps nothing."""
+    problem = PROBLEMS["mlp_ce"]
+    model = problem.model()
+    lossfunc = problem.make_loss("mean")
+    expected = Reference(problem, model, "mean").hessian()
+    v = torch.randn(expected.shape[0], dtype=torch.float64)
+    calls = []
+    model.register_forward_hook(lambda *args: calls.append(1))
+    op = Hessian(model, lossfunc, problem.batches(SIZES))
+    with op.cached(max_bytes=100):
+        close(op @ v, expected @ v)
+        close(op @ v, expected @ v)
+        assert len(calls) == 2 * len(SIZES)
+    with op.cached():
+        close(op @ v, expected @ v)
+        with torch.no_grad():
+            next(model.parameters()).add_(1.0)
+        with pytest.raises(ValueError, match="parameters changed"):
+            op @ v
+        with torch.no_grad():
+            next(model.parameters()).sub_(1.0)
+
+    class Failing(list):
+        fail = True
+
+        def __iter__(self):
+            for i, batch in enumerate(super().__iter__()):
+                if i == 1 and Failing.fail:
+                    Failing.fail = False
+                    raise RuntimeError("bad batch")
+                yield batch
+
+    op = Hessian(model, lossfunc, Failing(problem.batches(SIZES)))
+    with op.cached():
+        with pytest.raises(RuntimeError, match="bad batch"):
+            op @ v
+        close(op @ v, expected @ v)  # the half sweep's graph was not kept twice
+        close(op @ v, expected @ v)
+
+
+def test_estimators_keep_hessian_graphs():
+    """eigvalsh, CG and SLQ sweep the data once; their results are the dense matrix's."""
+    from backpack.curvature import eigvalsh, slq_logdet
+
+    problem = PROBLEMS["mlp_ce"]
+    model = problem.model()
+    lossfunc = problem.make_loss("sum")
+    expected = Reference(problem, model, "sum").hessian()
+    calls = []
+    model.register_forward_hook(lambda *args: calls.append(1))
+    op = Hessian(model, lossfunc, problem.batches(SIZES))
+    top = eigvalsh(op, k=2, tol=1e-10)
+    close(top, torch.linalg.eigvalsh(expected).flip(0)[:2], atol=1e-8)
+    assert len(calls) == len(SIZES)
+    calls.clear()
+    damping = 1.0 - float(torch.linalg.eigvalsh(expected)[0])
+    b = torch.randn(expected.shape[0], dtype=torch.float64)
+    x = op.inverse(damping, tol=1e-12) @ b
+    close(x, torch.linalg.solve(expected + damping * torch.eye(len(b), dtype=b.dtype), b), 1e-8)
+    assert len(calls) == len(SIZES)
+    calls.clear()
+    slq_logdet(op, damping=damping, num_probes=2, num_steps=expected.shape[0])
+    assert len(calls) == len(SIZES)
