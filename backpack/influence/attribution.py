@@ -351,7 +351,10 @@ class Influence:
                             raise ValueError(
                                 f"per_token=True needs one sequence length T in every layer and "
                                 f"batch; {name} has {site.positions} positions, others "
-                                f"{length}. Pad the sequences (ignored targets) to one length."
+                                f"{length}. Pad the sequences (ignored targets) to one length "
+                                "(a convolution's positions are its output positions: keep "
+                                "its output as long as the sequence, e.g. stride 1 and "
+                                "causal or 'same' padding)."
                             )
                         total = total + site.token_products(M.reshape(n_query, *site.shape))
                     continue
