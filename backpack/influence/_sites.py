@@ -18,6 +18,9 @@ et al.'s definition): the score of a query with position t of a training sequenc
 The factors come from the library's own recording: a user `ModuleExtension` of `BatchGrad`
 (`module.input0` and the output gradients the engine hands it) records them for the layers
 below instead of their per-sample gradients; every other layer gets backpack's `grad_batch`.
+For per-token scores it also records `nn.MultiheadAttention` (from its rule's backward of the
+recorded call, `module._backpack_record`: the gradients at q, k, v and the output projection)
+and convolutions (output gradients times the unfolded input patches, per output position).
 """
 
 from __future__ import annotations
@@ -366,7 +369,8 @@ def supports_positions(module: nn.Module) -> str | None:
     if _is_conv(module):
         return None
     if isinstance(module, nn.MultiheadAttention):
-        if module.bias_k is not None and (module.bias_k.requires_grad or module.bias_v.requires_grad):
+        kv = (module.bias_k, module.bias_v)
+        if any(p is not None and p.requires_grad for p in kv):
             return (
                 "an nn.MultiheadAttention with add_bias_kv (bias_k and bias_v are one extra "
                 "key and value shared by every position, no position's own)"

@@ -175,9 +175,7 @@ class TinyAttention(nn.Module):
             self.mk = nn.Linear(dim, kdim)
         if kind == "kdim":
             self.mv = nn.Linear(dim, vdim)
-        self.attn = nn.MultiheadAttention(
-            dim, heads, batch_first=batch_first, kdim=kdim, vdim=vdim
-        )
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=batch_first, kdim=kdim, vdim=vdim)
         self.head = nn.Linear(dim, vocab)
         self.kind, self.layout, self.heads = kind, layout, heads
 
