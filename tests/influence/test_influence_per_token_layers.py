@@ -203,3 +203,52 @@ def test_convolution_with_other_output_length_refused():
     _scores(_Wrapped(_Conv(nn.Conv1d(4, 4, 3, padding="same", padding_mode="circular"))))
     with pytest.raises(ValueError, match="layer.conv.weight .*ConvTranspose1d"):
         _scores(_Wrapped(_Conv(nn.ConvTranspose1d(4, 4, 3, padding=1))))
+
+
+class _Tubelets(nn.Module):
+    """Video `[N, 2, 4, 4, 6]` → tubelets (2×2×2, no overlap) → Linear head per token.
+
+    `conv=True`: a Conv3d with kernel = stride; else the patches cut by hand through an
+    `nn.Linear` with the same weights (flattened): the same function, token for token.
+    """
+
+    def __init__(self, conv: bool):
+        super().__init__()
+        self.conv = conv
+        self.embed = nn.Conv3d(2, 4, 2, stride=2) if conv else nn.Linear(16, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        if self.conv:
+            h = self.embed(x).flatten(2).transpose(1, 2)
+        else:
+            n, c, d, a, b = x.shape
+            h = x.reshape(n, c, d // 2, 2, a // 2, 2, b // 2, 2).permute(0, 2, 4, 6, 1, 3, 5, 7)
+            h = self.embed(h.reshape(n, -1, c * 8))
+        return self.head(torch.tanh(h)).flatten(0, 1)
+
+
+@pytest.mark.parametrize("strategy", ["identity", "diagonal"])
+def test_conv3d_tokens_are_its_output_voxels(strategy):
+    """A Conv3d tubelet embedding gives the per-token scores of the same map as a Linear on
+    patches cut by hand (tokens: output voxels, row-major).
+
+    (Not "kfac"/"ekfac": a convolution's G sums the output factor over positions first, a
+    Linear's on positions does not (`rules/conv.py`, `rules/linear.py`), so the fits differ.)"""
+    g = torch.Generator().manual_seed(6)
+    X = torch.randn(5, 2, 4, 4, 6, generator=g, dtype=torch.float64)
+    Y = torch.randint(0, 3, (5, 12), generator=g)
+    data = [(X[:3], Y[:3].flatten()), (X[3:], Y[3:].flatten())]
+    torch.manual_seed(0)
+    conv = _Tubelets(True).double()
+    patches = _Tubelets(False).double()
+    with torch.no_grad():
+        for name, p in conv.named_parameters():
+            patches.get_parameter(name).copy_(p.flatten(1) if name == "embed.weight" else p)
+    scores = []
+    for model in (conv, patches):
+        lossfunc = nn.CrossEntropyLoss()
+        influence = fit(model, lossfunc, data, strategy, damping=0.1, fisher="empirical")
+        scores.append(influence.scores(data, data, per_token=True))
+    assert scores[0].shape == (5, 5, 12)
+    close(scores[0], scores[1])
