@@ -266,7 +266,7 @@ def _conv_sites(module: nn.Module, x: Tensor, g: Tensor, params: dict) -> dict[s
     return out
 
 
-def _attention_sites(module: nn.Module, record: Any, grads: tuple) -> dict[str, Site]:
+def _attention_sites(module: nn.Module, record: Any, grads: tuple) -> dict[str, Site | list[Site]]:
     """Terms per position of `nn.MultiheadAttention`'s parameters, from its rule's backward.
 
     Query-side weights (`q_proj_weight`, the query rows of `in_proj_weight`, `out_proj`) have
@@ -285,8 +285,8 @@ def _attention_sites(module: nn.Module, record: Any, grads: tuple) -> dict[str, 
     if fwd.xq is fwd.xk:
         xq = xk
     length, keys = xq.shape[1], xk.shape[1]
-    memory = [n for n in ("in_proj_weight", "in_proj_bias", "k_proj_weight", "v_proj_weight")]
-    memory = [n for n in memory if n in params]
+    keyed = ("in_proj_weight", "in_proj_bias", "k_proj_weight", "v_proj_weight")
+    memory = [n for n in keyed if n in params]
     if keys != length and memory:
         raise ValueError(
             f"per_token=True: {describe(module)} attends over {keys} key/value positions from "
@@ -294,7 +294,7 @@ def _attention_sites(module: nn.Module, record: Any, grads: tuple) -> dict[str, 
             "position, not per token of the sequence. Freeze them (requires_grad_(False)) or "
             "score whole sequences (per_token=False)."
         )
-    out: dict[str, Site] = {}
+    out: dict[str, Site | list[Site]] = {}
     e = module.embed_dim
     if "in_proj_weight" in params:
         shape = tuple(params["in_proj_weight"].shape)
