@@ -18,6 +18,9 @@ et al.'s definition): the score of a query with position t of a training sequenc
 The factors come from the library's own recording: a user `ModuleExtension` of `BatchGrad`
 (`module.input0` and the output gradients the engine hands it) records them for the layers
 below instead of their per-sample gradients; every other layer gets backpack's `grad_batch`.
+For per-token scores it also records `nn.MultiheadAttention` (from its rule's backward of the
+recorded call, `module._backpack_record`: the gradients at q, k, v and the output projection)
+and convolutions (output gradients times the unfolded input patches, per output position).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from backpack.api import backpack, extend
@@ -40,6 +44,8 @@ from backpack.curvature._data import (
 )
 from backpack.extensions import BatchGrad
 from backpack.extensions.firstorder import FirstOrderModuleExtension
+from backpack.recording import describe
+from backpack.rules.attention import MultiheadAttentionRule
 
 #: the attribute that collects a parameter's sites during one backward
 _FIELD = "_influence_sites"
@@ -53,7 +59,8 @@ class Site:
 
     Kinds (N samples, T positions):
         "outer": `G_n = Σ_t L_nt R_ntᵀ` with `left` `[N, T, m]`, `right` `[N, T, k]`, the
-            parameter of shape `(m, k)`;
+            parameter of shape `(m, k)` (or `(m, *rest)` with `k = prod(rest)`, a convolution's
+            weight);
         "rows": `G_n[idx_nt] += R_nt` with `left` the indices `[N, T]`, `right` `[N, T, k]`, the
             parameter of shape `(V, k)` (an embedding);
         "dense": `G_n = Σ_t C_nt` with `left` the terms `[N, T, numel]`;
@@ -122,7 +129,8 @@ class Site:
                 picked = chunk[:, self.left]  # [Q_c, N, T, k]
                 out.append((picked * self.right).sum(-1))
             return torch.cat(out)
-        m, k = self.shape
+        m, k = _matrix(self.shape)
+        M = M.reshape(q, m, k)
         L, R = self.left.flatten(0, 1), self.right.flatten(0, 1)  # [NT, m], [NT, k]
         if m > k:  # contract the larger side first: intermediate [Q_c, k, NT]
             M, L, R, m, k = M.transpose(1, 2), R, L, k, m
@@ -156,6 +164,11 @@ class Site:
         return (gl * torch.bmm(self.right, self.right.transpose(1, 2))).sum((1, 2))
 
 
+def _matrix(shape: tuple) -> tuple[int, int]:
+    """`(m, k)` of an "outer" site's parameter `(m, *rest)`."""
+    return shape[0], math.prod(shape[1:])
+
+
 # --- cost model ---------------------------------------------------------------------------------
 def pair_costs(site: Site, queries: int, query_positions: int | None) -> dict[str, float]:
     """Multiply-adds of `⟨M_q, G_n⟩` for Q queries and one batch of an "outer" site.
@@ -165,7 +178,7 @@ def pair_costs(site: Site, queries: int, query_positions: int | None) -> dict[st
     positions): `Q N S T (m + k)`.
     """
     n, t = site.left.shape[:2]
-    m, k = site.shape
+    m, k = _matrix(site.shape)
     costs = {"dense": n * t * m * k + queries * n * m * k, "factored": queries * n * t * m * k}
     if query_positions is not None:
         costs["ghost"] = queries * n * query_positions * t * (m + k)
@@ -180,7 +193,7 @@ def choose(site: Site, queries: int, query_positions: int | None = None) -> str:
     """
     costs = pair_costs(site, queries, query_positions)
     t = site.left.shape[1]
-    m, k = site.shape
+    m, k = _matrix(site.shape)
     if not t * (m + k) < m * k:
         return "dense"
     order = {"ghost": 0, "factored": 1, "dense": 2}
@@ -190,7 +203,7 @@ def choose(site: Site, queries: int, query_positions: int | None = None) -> str:
 def norm_is_ghost(site: Site) -> bool:
     """Whether `‖G_n‖²` is cheaper from Gram matrices (`T² (m + k)`) than from `G_n` (`T m k`)."""
     t = site.left.shape[1]
-    m, k = site.shape
+    m, k = _matrix(site.shape)
     return t * t * (m + k) < t * m * k
 
 
@@ -211,10 +224,109 @@ def _positions(x: Tensor, trailing: int) -> Tensor:
     return x.reshape(x.shape[0], -1, *keep)
 
 
+def _is_conv(module: nn.Module) -> bool:
+    """`nn.Conv1d/2d/3d` (and subclasses), not the transposed ones."""
+    return isinstance(module, nn.modules.conv._ConvNd) and not module.transposed
+
+
+def _patches(module: nn.Module, x: Tensor) -> Tensor:
+    """`[N, T, C_in·prod(kernel)]`: the input patch of each output position (row-major).
+
+    The padding (any `padding_mode`, "same" included) is applied first, as the layer does, then
+    each spatial axis is unfolded with the layer's stride and dilation.
+    """
+    dims = len(module.kernel_size)
+    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+    x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
+    for i, (k, s, d) in enumerate(zip(module.kernel_size, module.stride, module.dilation)):
+        x = x.unfold(2 + i, d * (k - 1) + 1, s)[..., ::d]
+    # [N, C, *out, *kernel] -> [N, *out, C, *kernel]
+    x = x.movedim(1, 1 + dims)
+    return x.reshape(x.shape[0], math.prod(x.shape[1 : 1 + dims]), -1)
+
+
+def _conv_sites(module: nn.Module, x: Tensor, g: Tensor, params: dict) -> dict[str, Site]:
+    """Terms per output position (flattened row-major) of a convolution's weight and bias."""
+    dims = len(module.kernel_size)
+    if x.dim() == dims + 1:  # unbatched [C, *spatial]
+        x, g = x.unsqueeze(0), g.unsqueeze(0)
+    b = g.movedim(1, -1).reshape(g.shape[0], -1, g.shape[1])  # [N, T, C_out]
+    out: dict[str, Site] = {}
+    if "weight" in params:
+        shape = tuple(params["weight"].shape)
+        a = _patches(module, x)
+        if module.groups == 1:
+            out["weight"] = Site("outer", shape, b, a)
+        else:  # output channel o sees only its group's input channels: the terms themselves
+            n, t, groups = b.shape[0], b.shape[1], module.groups
+            terms = b.reshape(n, t, groups, -1, 1) * a.reshape(n, t, groups, 1, -1)
+            out["weight"] = Site("dense", shape, terms.reshape(n, t, -1))
+    if "bias" in params:
+        out["bias"] = Site("dense", tuple(params["bias"].shape), b)
+    return out
+
+
+def _attention_sites(module: nn.Module, record: Any, grads: tuple) -> dict[str, Site | list[Site]]:
+    """Terms per position of `nn.MultiheadAttention`'s parameters, from its rule's backward.
+
+    Query-side weights (`q_proj_weight`, the query rows of `in_proj_weight`, `out_proj`) have
+    one term per query position; key and value weights one per key/value position, which are
+    the same positions in self-attention and are taken as position t of the memory otherwise
+    (only where it has as many positions as the query).
+    """
+    params = {n: p for n, p in module.named_parameters() if p.requires_grad}
+    rule = MultiheadAttentionRule()
+    g, _ = rule._grads(record, grads)
+    g = {k: v.detach() for k, v in g.items()}
+    fwd = rule._forward(record)
+    xq, xk, xv, o = (t.detach() for t in (fwd.xq, fwd.xk, fwd.xv, fwd.o))
+    if fwd.xk is fwd.xv:
+        xv = xk
+    if fwd.xq is fwd.xk:
+        xq = xk
+    length, keys = xq.shape[1], xk.shape[1]
+    keyed = ("in_proj_weight", "in_proj_bias", "k_proj_weight", "v_proj_weight")
+    memory = [n for n in keyed if n in params]
+    if keys != length and memory:
+        raise ValueError(
+            f"per_token=True: {describe(module)} attends over {keys} key/value positions from "
+            f"{length} query positions; the terms of {', '.join(memory)} are per key/value "
+            "position, not per token of the sequence. Freeze them (requires_grad_(False)) or "
+            "score whole sequences (per_token=False)."
+        )
+    out: dict[str, Site | list[Site]] = {}
+    e = module.embed_dim
+    if "in_proj_weight" in params:
+        shape = tuple(params["in_proj_weight"].shape)
+        if "qkv" in g and xq is xk and xk is xv:
+            out["in_proj_weight"] = Site("outer", shape, g["qkv"], xq)
+        else:  # three row blocks with their own inputs: one site each, zero elsewhere
+            sites = []
+            for i, (x, name) in enumerate(((xq, "q"), (xk, "k"), (xv, "v"))):
+                left = F.pad(g[name], (i * e, (2 - i) * e))
+                sites.append(Site("outer", shape, left, x))
+            out["in_proj_weight"] = sites
+    for c, x in (("q", xq), ("k", xk), ("v", xv)):
+        name = f"{c}_proj_weight"
+        if name in params:
+            out[name] = Site("outer", tuple(params[name].shape), g[c], x)
+    if "in_proj_bias" in params:
+        qkv = g["qkv"] if "qkv" in g else torch.cat([g["q"], g["k"], g["v"]], -1)
+        out["in_proj_bias"] = Site("dense", tuple(params["in_proj_bias"].shape), qkv)
+    if "out_proj.weight" in params:
+        shape = tuple(params["out_proj.weight"].shape)
+        out["out_proj.weight"] = Site("outer", shape, g["y"], o)
+    if "out_proj.bias" in params:
+        out["out_proj.bias"] = Site("dense", tuple(params["out_proj.bias"].shape), g["y"])
+    return out
+
+
 def module_sites(module: nn.Module, x: Any, g: Tensor) -> dict[str, Site]:
-    """`{parameter name: Site}` of one call of a supported module."""
+    """`{parameter name: Site}` of one call of a supported module (not attention)."""
     out: dict[str, Site] = {}
     params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+    if _is_conv(module):
+        return _conv_sites(module, x, g, params)
     if is_linear_like(module):
         a, b = _positions(x, 1), _positions(g, 1)
         if "weight" in params:
@@ -254,23 +366,40 @@ def supports_positions(module: nn.Module) -> str | None:
         return None
     if isinstance(module, nn.LayerNorm):
         return None
-    return f"a {type(module).__name__} (terms per position: Linear, Conv1D, Embedding, LayerNorm)"
+    if _is_conv(module):
+        return None
+    if isinstance(module, nn.MultiheadAttention):
+        kv = (module.bias_k, module.bias_v)
+        if any(p is not None and p.requires_grad for p in kv):
+            return (
+                "an nn.MultiheadAttention with add_bias_kv (bias_k and bias_v are one extra "
+                "key and value shared by every position, no position's own)"
+            )
+        return None
+    return (
+        f"a {type(module).__name__} (terms per position: Linear, Conv1D, Embedding, LayerNorm, "
+        "MultiheadAttention, Conv1d/2d/3d)"
+    )
 
 
 class _Record(FirstOrderModuleExtension):
     """Appends each call's `Site`s to its parameters (instead of writing `grad_batch`)."""
 
     def apply(self, ext: Any, module: nn.Module, g_inp: tuple, g_out: tuple) -> None:  # noqa: D102
-        x, g = module.input0, g_out[0]
-        if g is None:
-            g = torch.zeros_like(module.output)
-        for name, site in module_sites(module, x.detach(), g.detach()).items():
-            param = getattr(module, name)
+        if isinstance(module, nn.MultiheadAttention):
+            found = _attention_sites(module, module._backpack_record, g_out)
+        else:
+            x, g = module.input0, g_out[0]
+            if g is None:
+                g = torch.zeros_like(module.output)
+            found = module_sites(module, x.detach(), g.detach())
+        for name, value in found.items():
+            param = module.get_parameter(name)
             sites = getattr(param, _FIELD, None)
             if sites is None:
                 sites = []
                 setattr(param, _FIELD, sites)
-            sites.append(site)
+            sites.extend(value if isinstance(value, list) else [value])
 
     __call__ = apply
 
@@ -287,6 +416,8 @@ def recorded_classes(model: nn.Module, per_token: bool) -> tuple[set[type], list
             classes |= {type(m) for m in shared if supports_positions(m) is None}
     for prefix, module in model.named_modules():
         own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        if per_token and isinstance(module, nn.MultiheadAttention):  # it owns out_proj's too
+            own = [n for n, p in module.named_parameters() if p.requires_grad]
         if not own:
             continue
         if is_linear_like(module) or (per_token and supports_positions(module) is None):
@@ -340,8 +471,15 @@ def site_batches(
             saved = [p.grad for _, p in params]
             for _, p in params:
                 p.grad = None
-            with backpack(extension, sync=False):
-                loss.backward()
+            try:
+                with backpack(extension, sync=False):
+                    loss.backward()
+            except BaseException:  # a refused layer: leave no sites behind for the next sweep
+                for (_, p), g in zip(params, saved):
+                    p.__dict__.pop(_FIELD, None)
+                    p.__dict__.pop("grad_batch", None)
+                    p.grad = g
+                raise
         scale = nu if reduction == "mean" else 1.0
         result: dict[str, list[Site]] = {}
         for (name, p), g in zip(params, saved):
@@ -381,7 +519,7 @@ def square_sum(sites: list[Site]) -> Tensor:
     """`Σ_n G_n²` (elementwise) of a parameter's sites: `(L²)ᵀ R²` for one position, else chunks."""
     if len(sites) == 1 and sites[0].kind == "outer" and sites[0].positions == 1:
         site = sites[0]
-        return site.left[:, 0].square().T @ site.right[:, 0].square()
+        return (site.left[:, 0].square().T @ site.right[:, 0].square()).reshape(site.shape)
     n = sites[0].num_samples
     step = max(1, CHUNK_ENTRIES // max(math.prod(sites[0].shape), 1))
     total = None

@@ -323,8 +323,11 @@ class Influence:
                 with `term_t` the part of the training sequence's gradient that enters through
                 position t (for `nn.Linear`: `b_t a_tᵀ`, output gradient times input). They sum
                 over t to the sequence's score (kronfluence's per-token scores). Needs every
-                trainable parameter in an `nn.Linear`, `Conv1D`, `nn.Embedding` or
-                `nn.LayerNorm`, and the same T in every layer and training batch.
+                trainable parameter in an `nn.Linear`, `Conv1D`, `nn.Embedding`,
+                `nn.LayerNorm`, `nn.MultiheadAttention` (key and value terms: per position of
+                the key/value input, which must then have T positions) or `nn.Conv1d/2d/3d`
+                (terms per output position, flattened), and the same T in every layer and
+                training batch (docs/influence.md).
             factored: False: always from per-sample gradients (every layer's `grad_batch`).
 
         Raises:
@@ -351,7 +354,10 @@ class Influence:
                             raise ValueError(
                                 f"per_token=True needs one sequence length T in every layer and "
                                 f"batch; {name} has {site.positions} positions, others "
-                                f"{length}. Pad the sequences (ignored targets) to one length."
+                                f"{length}. Pad the sequences (ignored targets) to one length "
+                                "(a convolution's positions are its output positions: keep "
+                                "its output as long as the sequence, e.g. stride 1 and "
+                                "causal or 'same' padding)."
                             )
                         total = total + site.token_products(M.reshape(n_query, *site.shape))
                     continue

@@ -565,11 +565,14 @@ def _run_user_extension(
     module = record.module
     module.input0 = record.input_values()
     module.output = record.output_values()
+    # the whole call (every argument, the rule's recomputations), for the library's own
+    # module extensions (backpack.influence's per-position terms of MultiheadAttention)
+    module._backpack_record = record
     try:
         with torch.no_grad():
             user_ext.apply(ext, module, tuple(None for _ in record.args), grads)
     finally:
-        for attr in ("input0", "output"):
+        for attr in ("input0", "output", "_backpack_record"):
             module.__dict__.pop(attr, None)
 
 

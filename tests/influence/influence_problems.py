@@ -123,6 +123,224 @@ class TinyGPT(nn.Module):
         return self._net(x, emb, norm, lin)
 
 
+def _copies(params, names, key):
+    """`params` by any of a parameter's names (tied: the first), for `functional`."""
+
+    def p(name):
+        return params[key[id(names[name])]]
+
+    return p
+
+
+def _position_linear(h, weight, bias=None):
+    """`h` `[N, T, in]` through copy t of `weight` `[T, out, in]` (and `bias` `[T, out]`)."""
+    out = torch.einsum("nti,toi->nto", h, weight)
+    return out if bias is None else out + bias
+
+
+def _position_attention(q, k, v, heads, causal):
+    """Scaled dot-product attention of `[N, T, E]` projections with `heads` heads."""
+    n, t, e = q.shape
+    d = e // heads
+
+    def split(x):
+        return x.reshape(n, x.shape[1], heads, d).transpose(1, 2)
+
+    w = split(q) @ split(k).transpose(-1, -2) / d**0.5
+    if causal:
+        mask = torch.ones(t, k.shape[1], dtype=torch.bool).tril()
+        w = w.masked_fill(~mask, float("-inf"))
+    return (w.softmax(-1) @ split(v)).transpose(1, 2).reshape(n, t, e)
+
+
+class TinyAttention(nn.Module):
+    """Embeddings → LayerNorm → `nn.MultiheadAttention` (causal, residual) → Linear head.
+
+    `kind`: "self" (query, key and value one tensor, packed `in_proj_weight`), "cross"
+    (key and value a Linear memory of the same length, packed weights) or "kdim" (key and
+    value of other widths: separate `q/k/v_proj_weight`). `layout` as in `TinyGPT`;
+    `functional(params, x)` gives every parameter one copy per position (keys and values:
+    per position of the memory).
+    """
+
+    def __init__(
+        self, vocab=7, dim=4, heads=2, length=5, kind="self", batch_first=True, layout="rows"
+    ):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(length, dim)
+        self.ln = nn.LayerNorm(dim)
+        kdim, vdim = (3, 5) if kind == "kdim" else (dim, dim)
+        if kind != "self":
+            self.mk = nn.Linear(dim, kdim)
+        if kind == "kdim":
+            self.mv = nn.Linear(dim, vdim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=batch_first, kdim=kdim, vdim=vdim)
+        self.head = nn.Linear(dim, vocab)
+        self.kind, self.layout, self.heads = kind, layout, heads
+
+    def _net(self, x, emb, norm, lin, attend):
+        t = x.shape[1]
+        positions = torch.arange(t, device=x.device).expand(x.shape[0], -1)
+        h = emb("tok", x) + emb("pos", positions)
+        a = norm("ln", h)
+        if self.kind == "self":
+            k = v = a
+        else:
+            k = lin("mk", torch.tanh(h))
+            v = k if self.kind == "cross" else lin("mv", torch.tanh(h))
+        logits = lin("head", h + attend(a, k, v))
+        return logits.flatten(0, 1) if self.layout == "rows" else logits.transpose(1, 2)
+
+    def forward(self, x):
+        def attend(q, k, v):
+            t = q.shape[1]
+            mask = ~torch.ones(t, k.shape[1], dtype=torch.bool, device=q.device).tril()
+            if not self.attn.batch_first:
+                q, k, v = (u.transpose(0, 1) for u in (q, k, v))
+                if self.kind == "self":
+                    k = v = q
+                elif self.kind == "cross":
+                    v = k
+            y, _ = self.attn(q, k, v, attn_mask=mask, need_weights=False)
+            return y if self.attn.batch_first else y.transpose(0, 1)
+
+        return self._net(
+            x,
+            lambda name, i: getattr(self, name)(i),
+            lambda name, h: getattr(self, name)(h),
+            lambda name, h: getattr(self, name)(h),
+            attend,
+        )
+
+    def functional(self, params, x):
+        """The network with `params[name]` `[T, *shape]` (copy t used at position t only)."""
+        t = x.shape[1]
+        p = _copies(
+            params,
+            dict(self.named_parameters(remove_duplicate=False)),
+            {id(q): n for n, q in self.named_parameters()},
+        )
+        e = self.attn.embed_dim
+
+        def emb(name, i):
+            return p(f"{name}.weight")[torch.arange(t)[None, :], i]
+
+        def norm(name, h):
+            hat = nn.functional.layer_norm(h, h.shape[-1:], eps=getattr(self, name).eps)
+            return hat * p(f"{name}.weight") + p(f"{name}.bias")
+
+        def lin(name, h):
+            return _position_linear(h, p(f"{name}.weight"), p(f"{name}.bias"))
+
+        def attend(q, k, v):
+            if self.kind == "kdim":
+                w = [p(f"attn.{c}_proj_weight") for c in "qkv"]
+            else:
+                w = p("attn.in_proj_weight").split(e, 1)
+            b = p("attn.in_proj_bias").split(e, 1)
+            q, k, v = (_position_linear(u, wi, bi) for u, wi, bi in zip((q, k, v), w, b))
+            o = _position_attention(q, k, v, self.heads, causal=True)
+            return _position_linear(o, p("attn.out_proj.weight"), p("attn.out_proj.bias"))
+
+        return self._net(x, emb, norm, lin, attend)
+
+
+def _position_conv1d(x, weight, bias, conv):
+    """`conv` on `[N, C, L]` with copy t of `weight` `[T, *shape]` for output position t."""
+    mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
+    x = nn.functional.pad(x, conv._reversed_padding_repeated_twice, mode=mode)
+    (k,), (s,), (d,), g = conv.kernel_size, conv.stride, conv.dilation, conv.groups
+    t = weight.shape[0]
+    index = torch.arange(t)[:, None] * s + torch.arange(k)[None, :] * d  # [T, K]
+    patches = x[:, :, index]  # [N, C, T, K]
+    n, c = patches.shape[:2]
+    patches = patches.reshape(n, g, c // g, t, k)
+    w = weight.reshape(t, g, -1, c // g, k)
+    out = torch.einsum("ngctk,tgock->ngot", patches, w).reshape(n, -1, t)
+    return out if bias is None else out + bias.T
+
+
+class TinyConv1d(nn.Module):
+    """Embedding → a causal dilated Conv1d → a grouped 'same' Conv1d (replicate padding) → a
+    1×1 Conv1d head: logits `[N, V, T]` ("channels") or `[N·T, V]` ("rows").
+
+    `functional(params, x)`: copy t of every parameter used at output position t only.
+    """
+
+    def __init__(self, vocab=7, dim=4, hidden=6, layout="channels"):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.causal = nn.Conv1d(dim, hidden, 3, dilation=2)
+        self.mix = nn.Conv1d(hidden, hidden, 3, padding=1, groups=3, padding_mode="replicate")
+        self.head = nn.Conv1d(hidden, vocab, 1)
+        self.layout = layout
+
+    def _net(self, x, emb, conv):
+        h = emb(x).transpose(1, 2)  # [N, C, T]
+        h = torch.tanh(conv("causal", nn.functional.pad(h, (4, 0))))
+        logits = conv("head", h + torch.tanh(conv("mix", h)))
+        return logits if self.layout == "channels" else logits.transpose(1, 2).flatten(0, 1)
+
+    def forward(self, x):
+        return self._net(x, self.tok, lambda name, h: getattr(self, name)(h))
+
+    def functional(self, params, x):
+        """The network with `params[name]` `[T, *shape]` (copy t used at position t only)."""
+        t = x.shape[1]
+
+        def emb(i):
+            return params["tok.weight"][torch.arange(t)[None, :], i]
+
+        def conv(name, h):
+            weight, bias = params[f"{name}.weight"], params[f"{name}.bias"]
+            return _position_conv1d(h, weight, bias, getattr(self, name))
+
+        return self._net(x, emb, conv)
+
+
+class TinyViT(nn.Module):
+    """Patch embedding Conv2d (kernel = stride = 2) → tokens (output pixels, row-major) +
+    positions → LayerNorm → self-attention (residual) → Linear head: logits `[N·T, C]`.
+
+    `functional(params, x)`: copy t of every parameter used at token t only.
+    """
+
+    def __init__(self, dim=4, heads=2, tokens=6, classes=3):
+        super().__init__()
+        self.patch = nn.Conv2d(2, dim, 2, stride=2)
+        self.register_buffer("pos", torch.randn(tokens, dim))
+        self.ln = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x):
+        h = self.patch(x).flatten(2).transpose(1, 2) + self.pos
+        a = self.ln(h)
+        y, _ = self.attn(a, a, a, need_weights=False)
+        return self.head(h + y).flatten(0, 1)
+
+    def positions(self, x):
+        """T: the patch embedding's output pixels."""
+        return (x.shape[2] // 2) * (x.shape[3] // 2)
+
+    def functional(self, params, x):
+        """The network with `params[name]` `[T, *shape]` (copy t used at position t only)."""
+        n, c, height, width = x.shape
+        patches = x.reshape(n, c, height // 2, 2, width // 2, 2).permute(0, 2, 4, 1, 3, 5)
+        patches = patches.reshape(n, -1, c * 4)  # [N, T, C·2·2], row-major output pixels
+        w = params["patch.weight"].flatten(2)
+        h = _position_linear(patches, w, params["patch.bias"]) + self.pos
+        hat = nn.functional.layer_norm(h, h.shape[-1:], eps=self.ln.eps)
+        a = hat * params["ln.weight"] + params["ln.bias"]
+        e = self.attn.embed_dim
+        w, b = params["attn.in_proj_weight"].split(e, 1), params["attn.in_proj_bias"].split(e, 1)
+        q, k, v = (_position_linear(a, wi, bi) for wi, bi in zip(w, b))
+        o = _position_attention(q, k, v, self.attn.num_heads, causal=False)
+        y = _position_linear(o, params["attn.out_proj.weight"], params["attn.out_proj.bias"])
+        return _position_linear(h + y, params["head.weight"], params["head.bias"]).flatten(0, 1)
+
+
 @dataclass
 class Problem:
     name: str
@@ -290,8 +508,12 @@ class Reference:
         return out / len(X)
 
     def terms(self, X, Y) -> Tensor:
-        """`[n, T, P]`: the term of each position of each example's gradient (`TinyGPT`)."""
-        T = X.shape[1]
+        """`[n, T, P]`: the term of each position of each example's gradient (`TinyGPT`).
+
+        T: the model's `positions(X)` if it has one, else `X.shape[1]`.
+        """
+        positions = getattr(self.model, "positions", None)
+        T = positions(X) if positions is not None else X.shape[1]
         expanded = {n: t.expand(T, *t.shape).clone() for n, t in self.params(self.theta).items()}
 
         def loss(params, x, y):

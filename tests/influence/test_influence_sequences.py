@@ -100,13 +100,27 @@ def test_cost_model():
     assert _sites.norm_is_ghost(short) and not _sites.norm_is_ghost(long)
 
 
+class _Recurrent(nn.Module):
+    """Embedding → GRU → Linear, logits `[N·T, V]` (the GRU has no terms per position)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(5, 4)
+        self.gru = nn.GRU(4, 4, batch_first=True)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.gru(self.emb(x))[0]).flatten(0, 1)
+
+
 def test_per_token_needs_position_wise_layers():
-    problem = PROBLEMS["transformer"]  # nn.MultiheadAttention
+    problem = type(PROBLEMS["transformer"])(**{**PROBLEMS["transformer"].__dict__})
+    problem.make_model = _Recurrent
     model = problem.model()
     influence = fit(model, problem.make_loss("mean"), problem.train(), "identity")
-    with pytest.raises(ValueError, match="attn.in_proj_weight"):
+    with pytest.raises(ValueError, match=r"gru.weight_ih_l0 \(in a GRU"):
         influence.scores(problem.query(), problem.train(), per_token=True)
-    model.attn.requires_grad_(False)
+    model.gru.requires_grad_(False)
     influence = fit(model, problem.make_loss("mean"), problem.train(), "identity")
     tokens = influence.scores(problem.query(), problem.train(), per_token=True)
     assert tokens.shape == (3, 11, 3)
