@@ -23,10 +23,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from backpack.curvature._data import Normaliser, reduction_of, trainable
-from backpack.curvature._distributed import all_sum, guarded, process_group, rank_of
+from backpack.curvature._distributed import all_sum, digest, guarded, process_group, rank_of
 from backpack.curvature._rows import row_batches
 from backpack.curvature.ekfac import EKFAC, EigenBlock, kfac_eigenblocks
 from backpack.curvature.kfac import KFAC
@@ -304,6 +305,7 @@ class Influence:
         progress: bool = False,
         per_token: bool = False,
         factored: bool = True,
+        gather: bool = False,
     ) -> Tensor:
         """`[n_query, n_train]` influence scores `∇ℓ_qᵀ (F + λI)⁻¹ ∇ℓ_t`.
 
@@ -329,10 +331,19 @@ class Influence:
                 (terms per output position, flattened), and the same T in every layer and
                 training batch (docs/influence.md).
             factored: False: always from per-sample gradients (every layer's `grad_batch`).
+            gather: Under torch.distributed, where `train_data` is this rank's shard: every
+                rank returns the whole matrix, the ranks' columns in rank order (a collective
+                call). Without torch.distributed (or one process), the local scores.
 
         Raises:
             ValueError: For `per_token` on a model or data it does not apply to.
         """
+        if gather:
+            return _gathered(
+                lambda: self.scores(query_data, train_data, progress, per_token, factored),
+                1,
+                "influence.scores(..., gather=True)",
+            )
         query, n_query, ghost = self._query(query_data, progress, factored)
         columns = []
         length = None
@@ -379,13 +390,24 @@ class Influence:
         return torch.cat(columns, dim=1)
 
     def self_scores(
-        self, train_data: Iterable, progress: bool = False, factored: bool = True
+        self,
+        train_data: Iterable,
+        progress: bool = False,
+        factored: bool = True,
+        gather: bool = False,
     ) -> Tensor:
         """`[n_train]` self-influence `∇ℓ_tᵀ (F + λI)⁻¹ ∇ℓ_t`, batch by batch.
 
         For "identity", a Linear-like layer's squared norms come from Gram matrices of its
         factors where that is cheaper (`T² (in + out) < T in out`), as `BatchL2Grad` does.
+        `gather=True`: every rank gets all ranks' entries in rank order (see `scores`).
         """
+        if gather:
+            return _gathered(
+                lambda: self.self_scores(train_data, progress, factored),
+                0,
+                "influence.self_scores(..., gather=True)",
+            )
         out = []
         for _, sites in self._sites(train_data, progress, False, factored, "gradients"):
             if self.strategy == "identity":
@@ -561,3 +583,35 @@ def load(
 ) -> Influence:
     """`Influence.load`: a fit saved with `Influence.save`, for `model` and `lossfunc`."""
     return Influence.load(path, model, lossfunc, normaliser, num_samples)
+
+
+def _gathered(local: Callable[[], Tensor], dim: int, what: str) -> Tensor:
+    """`local()` on every rank, concatenated along `dim` in rank order, on every rank.
+
+    The columns are exchanged with one sum of a zero-padded `[.., n_total, ..]` tensor (each rank
+    writes its own slice), after agreeing on the sizes and on the other dimensions.
+    """
+    group = process_group(None, what)
+    done, error = guarded(group, local, what)
+    if group is None:
+        return done
+    world, rank = dist.get_world_size(group), rank_of(group)
+    sizes = [0.0] * world
+    other: list[float] = [0.0, 0.0]
+    if done is not None:
+        sizes[rank] = float(done.shape[dim])
+        rest = done.shape[:dim] + done.shape[dim + 1 :]
+        other = [digest((tuple(rest), str(done.dtype))), 1.0]
+    head = all_sum(group, [], [*sizes, *other], error, what)
+    sizes, (key, agreed) = [int(n) for n in head[:world]], head[world:]
+    if int(agreed) != world or abs(key - world * other[0]) > 0.5:
+        raise RuntimeError(
+            f"{what}: the ranks' scores differ in their other dimensions or dtype (the same "
+            "query data and model on every rank, and for per_token the same T, are needed)."
+        )
+    shape = list(done.shape)
+    shape[dim] = sum(sizes)
+    full = done.new_zeros(shape)
+    full.narrow(dim, sum(sizes[:rank]), sizes[rank]).copy_(done)
+    all_sum(group, [full], [], None, what)
+    return full

@@ -55,6 +55,17 @@ def check(name: str, strategy: str, fisher: str, rank: int, world: int) -> None:
     torch.testing.assert_close(
         ours.self_scores(local), whole.self_scores(problem.train())[columns], rtol=1e-8, atol=1e-10
     )
+    if strategy == "kfac":  # every rank gets the whole matrix, columns in rank order
+        everything = whole.scores(query, problem.train())
+        torch.testing.assert_close(
+            ours.scores(query, local, gather=True), everything, rtol=1e-8, atol=1e-10
+        )
+        torch.testing.assert_close(
+            ours.self_scores(local, gather=True),
+            whole.self_scores(problem.train()),
+            rtol=1e-8,
+            atol=1e-10,
+        )
 
 
 #: `(label, check(rank, world))` of every case
