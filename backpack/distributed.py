@@ -143,8 +143,11 @@ def make_sync(sync: Any, extensions: Sequence[BackpropExtension]) -> PassSync | 
             "backpack cannot make quantities global for models sharded with FSDP "
             "(torch.distributed.fsdp.fully_shard): their parameters are gathered only during "
             "forward and backward, so backpack's quantities would land on FSDP's temporary "
-            "unsharded parameters instead of model.parameters(). Every backpack quantity needs "
-            "the parameters replicated: wrap the model in DistributedDataParallel instead."
+            "unsharded parameters instead of model.parameters(). For data-set quantities use "
+            "backpack.curvature.accumulate(model, lossfunc, data, extensions): it gives every "
+            "rank its shard of the gradient, SumGradSquared, Variance and the diagonals "
+            "(DiagGGNExact, DiagGGNMC, DiagHessian). For per-batch quantities inside "
+            "backpack(...), wrap the model in DistributedDataParallel instead."
         )
     return PassSync(extensions, follow)
 

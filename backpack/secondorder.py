@@ -86,6 +86,7 @@ _CURVATURE_FREE_NODES = {
     "ThresholdBackward0",
     "ThresholdBackward1",
     "torch::autograd::AccumulateGrad",
+    "RegisterPostBackwardFunctionBackward",  # FSDP2's identity on a sharded module's inputs
     "SplitBackward0",
     "SplitWithSizesBackward0",
     "UnbindBackward0",

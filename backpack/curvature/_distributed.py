@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from backpack import distributed as _dist
+from backpack.curvature._fsdp import is_fully_sharded, refuse
 from backpack.curvature._quantities import Rows, VarianceKind
 
 T = TypeVar("T")
@@ -47,7 +48,6 @@ def process_group(distributed: bool | None, what: str) -> Any:
     Raises:
         TypeError: For another value of `distributed`.
         RuntimeError: For True without an initialised torch.distributed.
-        NotImplementedError: For a process holding a model sharded with FSDP2 (`fully_shard`).
     """
     if distributed is not None and not isinstance(distributed, bool):
         raise TypeError(
@@ -68,24 +68,13 @@ def process_group(distributed: bool | None, what: str) -> Any:
 
 
 def check_not_fully_sharded(model: nn.Module, what: str) -> None:
-    """Refuse a model with FSDP2-sharded (`fully_shard`) parameters.
+    """Refuse a model with FSDP2-sharded (`fully_shard`) parameters (operators, KFAC).
 
     Raises:
-        NotImplementedError: Naming the replicated-copy recipe of the docs.
+        NotImplementedError: Naming what `accumulate` supports and the replicated-copy recipe.
     """
-    sharded = any(type(p).__name__ == "DTensor" for p in model.parameters())
-    if sharded or any("FSDP" in type(m).__name__ for m in model.modules()):
-        raise NotImplementedError(
-            f"{what} cannot sweep a model sharded with FSDP2 (fully_shard): FSDP gathers the "
-            "parameters only inside each forward and backward (backpack's quantities would land "
-            "on its temporary unsharded parameters) and reduce-scatters the gradients after "
-            "every batch (a collective per batch, which hangs when the ranks' shards have "
-            "different numbers of batches). Sweep a replicated copy instead: load "
-            "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)) into an "
-            "unsharded instance of the model, run the sweep on it with distributed=True, and "
-            "keep each rank's rows of the results (docs: 'Curvature of a data set', "
-            "'Distributed sweeps')."
-        )
+    if is_fully_sharded(model):
+        raise refuse(what)
 
 
 def local_module(model: Any) -> Any:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from backpack.api import backpack, disable, extend
@@ -21,12 +22,13 @@ from backpack.curvature._data import (
 )
 from backpack.curvature._distributed import (
     all_sum,
-    check_not_fully_sharded,
     combine,
     guarded,
     local_module,
     process_group,
 )
+from backpack.curvature._fsdp import check_kinds as check_fsdp_kinds
+from backpack.curvature._fsdp import is_fully_sharded, sharded_sweep
 from backpack.curvature._quantities import (
     BatchScale,
     Callback,
@@ -36,6 +38,7 @@ from backpack.curvature._quantities import (
     isclose,
     kind_of,
 )
+from backpack.distributed import _group as _dist_group
 from backpack.extensions.backprop_extension import BackpropExtension
 
 __all__ = ["accumulate", "Accumulated"]
@@ -57,6 +60,8 @@ class Accumulated:
         ref_count: `N_ref`, the first batch's number of samples.
         ranks: Number of torch.distributed ranks whose shards this result combines (their
             per-sample rows stay on their rank: this rank's rows of the global data set).
+        sharded: The sweep of a model sharded with FSDP2 (`fully_shard`): states and gradient
+            are this rank's shards of the data-set quantities (`p.to_local()`'s shape).
     """
 
     reduction: str
@@ -73,6 +78,7 @@ class Accumulated:
     ref_scale: float = 1.0
     ref_count: int = 1
     ranks: int = 1
+    sharded: bool = False
 
     @property
     def normaliser(self) -> float:
@@ -159,6 +165,7 @@ class Accumulated:
             ref_scale=self.ref_scale,
             ref_count=self.ref_count,
             ranks=max(self.ranks, other.ranks),
+            sharded=self.sharded,
         )
         if self.stream_total is not None or other.stream_total is not None:
             streamed = {t for t in (self.stream_total, other.stream_total) if t is not None}
@@ -174,6 +181,10 @@ class Accumulated:
     def write(self, model: nn.Module, grad: bool = True) -> None:
         """Store the quantities on `model`'s trainable parameters (and `.grad` unless False).
 
+        On a model sharded with FSDP2 each rank's shards become DTensors laid out like the
+        parameter (`p.diag_ggn_exact.to_local()`: this rank's shard; `.full_tensor()`: the whole
+        quantity, a collective), as FSDP2's `.grad`; `batch_l2` rows stay plain tensors.
+
         Raises:
             ValueError: If `model`'s trainable parameters are not those swept.
         """
@@ -188,9 +199,21 @@ class Accumulated:
         for name, p in params:
             for f in self.kinds:
                 if values[f][name] is not None:
-                    setattr(p, f, values[f][name])
+                    shard = self.sharded and not isinstance(self.kinds[f], Rows)
+                    setattr(p, f, _like(p, values[f][name], shard))
             if gradient is not None:
-                p.grad = gradient[name].detach().clone()
+                p.grad = _like(p, gradient[name].detach().clone(), self.sharded)
+
+
+def _like(p: Tensor, value: Any, sharded: bool) -> Any:
+    """`value`, this rank's shard of a quantity of `p`, as a DTensor laid out like `p`."""
+    if not sharded or not hasattr(p, "to_local") or not isinstance(value, Tensor):
+        return value
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
 
 
 def _extensions(extensions: BackpropExtension | Sequence[BackpropExtension]) -> dict[str, Kind]:
@@ -287,13 +310,26 @@ def accumulate(
     Raises:
         ValueError: For an empty `data`, batches of changing shapes, parameters changed during
             the sweep, or an extension that cannot be combined over batches.
-        NotImplementedError: For `BatchDotGrad`, `KFRA` and the matrix-product extensions, and
-            for a model sharded with FSDP2 (`fully_shard`).
+        NotImplementedError: For `BatchDotGrad`, `KFRA` and the matrix-product extensions; for
+            a model sharded with FSDP2 (`fully_shard`), for other extensions than the gradient,
+            `SumGradSquared`, `Variance`, the diagonals and `BatchL2Grad`, and for `callback`.
         RuntimeError: Under torch.distributed, when another rank's sweep failed, or the ranks
             swept different models, extensions or batch shapes.
     """
     model = local_module(model)
-    check_not_fully_sharded(model, "accumulate")
+    if is_fully_sharded(model):
+        return _sharded(
+            model,
+            lossfunc,
+            data,
+            extensions,
+            progress,
+            callback,
+            normaliser,
+            num_samples,
+            write,
+            distributed,
+        )
     group = process_group(distributed, "accumulate")
     stream_total = None
     if callback is not None:
@@ -330,6 +366,38 @@ def accumulate(
     if group is not None:
         result = combine(result, error, group)
     _check_streamed(result.stream_total, result.reduction, result.total)
+    if write:
+        result.write(model)
+    return result
+
+
+def _sharded(
+    model,
+    lossfunc,
+    data,
+    extensions,
+    progress,
+    callback,
+    normaliser,
+    num_samples,
+    write,
+    distributed,
+) -> Accumulated:
+    """`accumulate` of a model sharded with FSDP2: every rank gets its shard of the result."""
+    process_group(distributed, "accumulate")  # checks the argument
+    if distributed is False or not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            "accumulate(..., distributed=False) cannot sweep a model sharded with FSDP2 "
+            "(fully_shard): its forward and backward are collectives over every rank, so the "
+            "sweep covers every rank's shard of the data. Pass distributed=None or True."
+        )
+    kinds = _extensions(extensions)
+    check_fsdp_kinds(kinds, callback)
+    exts = [extensions] if isinstance(extensions, BackpropExtension) else list(extensions)
+    fields = sharded_sweep(
+        model, lossfunc, data, exts, kinds, _dist_group(), progress, normaliser, num_samples
+    )
+    result = Accumulated(**fields)
     if write:
         result.write(model)
     return result

@@ -279,42 +279,147 @@ def different_models(rank: int, world: int) -> None:
         raise AssertionError("no error")
 
 
-def fully_sharded(rank: int, world: int) -> None:
-    """FSDP2 runs on CPU/gloo, but a sharded model is refused; the documented recipe works."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+#: batch sizes of each rank's shard for FSDP2: the same number of batches, uneven sizes
+FSDP_SHARDS = {2: [[3, 1], [2, 5]], 3: [[2, 1], [4, 1], [1, 2]]}
+
+
+def fsdp_extensions() -> list:
+    return [SumGradSquared(), Variance(), DiagGGNExact(), DiagHessian(), BatchL2Grad()]
+
+
+def fsdp_model(problem, nested: bool):
+    """The problem's model sharded with fully_shard (each child with parameters too if nested)."""
     from torch.distributed.fsdp import fully_shard
 
-    problem, mine, everything, _, _ = shards("mlp_ce", rank, world)
-    lossfunc = problem.make_loss("mean")
     model = problem.model()
+    if nested:
+        for child in model.children():
+            if any(True for _ in child.parameters()):
+                fully_shard(child)
     fully_shard(model)
-    for run in (
-        lambda: accumulate(model, lossfunc, mine, DiagGGNExact()),
-        lambda: GGN(model, lossfunc, mine),
-        lambda: KFAC(model, lossfunc, mine),
-    ):
+    return model
+
+
+def fsdp_shards(name: str, rank: int, world: int):
+    problem = PROBLEMS[name]
+    sizes = FSDP_SHARDS[world]
+    everything = problem.batches([s for shard in sizes for s in shard])
+    before = sum(len(s) for s in sizes[:rank])
+    mine = everything[before : before + len(sizes[rank])]
+    start = sum(sum(s) for s in sizes[:rank])
+    return problem, mine, everything, start, start + sum(sizes[rank])
+
+
+def own_chunk(full, rank: int, world: int):
+    """This rank's dim-0 chunk of `full`, as FSDP2 shards it (empty past the last chunk)."""
+    chunks = full.chunk(world, dim=0)
+    return chunks[rank] if rank < len(chunks) else full[:0]
+
+
+def fully_sharded_case(name: str, reduction: str, nested: bool):
+    """Every rank's shard of an FSDP2 sweep equals its chunk of one process's over all data."""
+
+    def check(rank: int, world: int) -> None:
+        from backpack.curvature._fsdp import _fsdp_params
+
+        problem, mine, everything, start, stop = fsdp_shards(name, rank, world)
+        model, ref = fsdp_model(problem, nested), problem.model()
+        lossfunc = problem.make_loss(reduction)
+        result = accumulate(model, lossfunc, mine, fsdp_extensions())
+        expected = accumulate(ref, lossfunc, everything, fsdp_extensions(), distributed=False)
+        assert result.sharded and result.ranks == world
+        assert result.total == expected.total, (result.total, expected.total)
+        assert result.num_samples == expected.num_samples == problem.N
+        assert result.num_batches == expected.num_batches
+        gradient = result.gradient()
+        for (pname, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            close(p.grad.to_local(), own_chunk(q.grad, rank, world), f"{pname}.grad")
+            close(gradient[pname], own_chunk(q.grad, rank, world), f"{pname} gradient()")
+            for field in expected.savefields:
+                if field == "batch_l2":
+                    close(getattr(p, field), q.batch_l2[start:stop], f"{pname}.batch_l2")
+                    continue
+                want = own_chunk(getattr(q, field), rank, world)
+                close(getattr(p, field).to_local(), want, f"{pname}.{field}")
+                close(result.quantity(field)[pname], want, f"{pname} result[{field!r}]")
+        # the attributes are DTensors: full_tensor() gathers the whole quantity (collective)
+        for (pname, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            close(p.diag_ggn_exact.full_tensor(), q.diag_ggn_exact, f"{pname} full diagonal")
+        # nothing left on FSDP's unsharded parameters
+        for fsdp_param in _fsdp_params(model).values():
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            left = [f for f in expected.savefields if hasattr(unsharded, f)]
+            assert not left, f"{left} left on an unsharded parameter"
+
+    return check
+
+
+def fully_sharded(rank: int, world: int) -> None:
+    """FSDP2 sweeps: merge, write=False, DiagGGNMC, and what is refused, on every rank."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    problem, mine, everything, _, _ = fsdp_shards("mlp_ce", rank, world)
+    lossfunc = problem.make_loss("mean")
+    model, ref = fsdp_model(problem, nested=True), problem.model()
+    accumulate(ref, lossfunc, everything, DiagGGNExact(), distributed=False)
+    # two sweeps merged: exact, like one sweep
+    first = accumulate(model, lossfunc, mine[:1], DiagGGNExact(), write=False)
+    both = first.merge(accumulate(model, lossfunc, mine[1:], DiagGGNExact(), write=False))
+    for pname, q in ref.named_parameters():
+        close(both["diag_ggn_exact"][pname], own_chunk(q.diag_ggn_exact, rank, world), pname)
+        close(both.gradient()[pname], own_chunk(q.grad, rank, world), f"{pname} merged grad")
+    assert all(p.grad is None and not hasattr(p, "diag_ggn_exact") for p in model.parameters())
+    # Monte-Carlo: each rank draws for its own samples; every rank holds its shard
+    mc = accumulate(model, lossfunc, mine, DiagGGNMC()).quantity("diag_ggn_mc")
+    for pname, p in model.named_parameters():
+        assert mc[pname].shape == p.to_local().shape and torch.isfinite(mc[pname]).all()
+        assert p.diag_ggn_mc.shape == p.shape
+    # uneven numbers of batches: every rank raises before FSDP's collectives would hang
+    data = mine + mine[:1] if rank == 0 else mine
+    try:
+        accumulate(model, lossfunc, data, DiagGGNExact())
+    except RuntimeError as err:
+        assert "different numbers of batches" in str(err), err
+    else:
+        raise AssertionError("uneven numbers of batches were not refused")
+    # a rank without data: its error, the others name it (before any collective of FSDP)
+    bad = world - 1
+    empty = mine if rank != bad else []
+    run = lambda: accumulate(model, lossfunc, empty, DiagGGNExact())  # noqa: E731
+    _expect(rank, bad, run, ValueError, "empty data set")
+    # refused: per-sample rows, Kronecker factors, callbacks, distributed=False, operators
+    refused = [
+        (NotImplementedError, "grad_batch", lambda: accumulate(model, lossfunc, mine, BatchGrad())),
+        (NotImplementedError, "kflr", lambda: accumulate(model, lossfunc, mine, KFLR())),
+        (
+            NotImplementedError,
+            "callback",
+            lambda: accumulate(model, lossfunc, mine, BatchL2Grad(), callback=print),
+        ),
+        (
+            ValueError,
+            "distributed=False",
+            lambda: accumulate(model, lossfunc, mine, DiagGGNExact(), distributed=False),
+        ),
+        (NotImplementedError, "replicated copy", lambda: GGN(model, lossfunc, mine)),
+        (NotImplementedError, "replicated copy", lambda: KFAC(model, lossfunc, mine)),
+    ]
+    for error, match, run in refused:
         try:
             run()
-        except NotImplementedError as err:
-            assert "fully_shard" in str(err) and "replicated copy" in str(err), err
+        except error as err:
+            assert match in str(err), err
+            assert error is ValueError or "SumGradSquared" in str(err), err
         else:
-            raise AssertionError("fully_shard was not refused")
-    # the recipe: a replicated copy, swept with distributed=True, each rank keeps its shard
+            raise AssertionError(f"not refused: {match}")
+    # the recipe for what stays refused: a replicated copy, swept with distributed=True
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     copy = problem.make_model().double()
     copy.load_state_dict(full)
-    result = accumulate(copy, lossfunc, mine, [DiagGGNExact(), SumGradSquared()], write=False)
-    ref = problem.model()
-    accumulate(ref, lossfunc, everything, DiagGGNExact(), distributed=False)
-    diag = result.quantity("diag_ggn_exact")
-    for pname, p in model.named_parameters():
-        local = p.to_local()
-        chunks = diag[pname].chunk(world, dim=0)
-        chunk = chunks[rank] if rank < len(chunks) else None
-        expected = dict(ref.named_parameters())[pname].diag_ggn_exact
-        assert local.shape[0] == (0 if chunk is None else chunk.shape[0])
-        if chunk is not None:
-            close(chunk, expected.chunk(world, dim=0)[rank], f"{pname} shard of the diagonal")
+    op = KFAC(copy, lossfunc, mine, distributed=True)
+    expected = KFAC(ref, lossfunc, everything, distributed=False)
+    for pname in op.factors:
+        close(op.factors[pname], expected.factors[pname], f"KFAC of the copy, {pname}")
 
 
 MAIN: list[tuple[str, Callable]] = [
@@ -329,9 +434,14 @@ MAIN: list[tuple[str, Callable]] = [
     ("ddp-model", ddp_model),
     ("failing-rank", failing_rank),
     ("different-models", different_models),
-    ("fully-sharded", fully_sharded),  # last: the sharded model stays registered with FSDP
+    # last: a sharded model stays registered with FSDP (synchronising contexts refuse then)
+    ("fsdp-mlp_ce-mean-nested", fully_sharded_case("mlp_ce", "mean", nested=True)),
+    ("fsdp-mlp_ce-sum", fully_sharded_case("mlp_ce", "sum", nested=False)),
+    ("fsdp-mlp_mse-mean", fully_sharded_case("mlp_mse", "mean", nested=False)),
+    ("fsdp-token_ce-sum-nested", fully_sharded_case("token_ce", "sum", nested=True)),
+    ("fully-sharded", fully_sharded),
 ]
-SCENARIOS = {"main": MAIN}
+SCENARIOS = {"main": MAIN, "fsdp": [c for c in MAIN if c[0].startswith(("fsdp", "fully"))]}
 
 
 def worker(rank: int, world: int, port: int, scenario: str, outdir: str) -> None:

@@ -1,0 +1,499 @@
+"""Sweeps of a model sharded with FSDP2 (`fully_shard`): each rank keeps its shard of the result.
+
+FSDP2 gathers a module's parameters only inside its forward and backward. During a backward in
+`backpack(...)`, the extension quantities therefore land on FSDP's temporary unsharded
+parameters, computed from this rank's batch only; afterwards the module holds its sharded
+(DTensor) parameters again. After every batch the sweep
+
+1. agrees with the other ranks that every rank has a batch (a rank without one makes every rank
+   raise: FSDP's own collectives need the same number of batches on every rank);
+2. exchanges a small header (error flag, `ν_r`, `N_r`, a digest of the extensions and batch
+   shapes), so that every rank scales its batch by `ν_r / s_ref` with one reference;
+3. reduce-scatters (one collective per device and dtype) this rank's full-size contributions,
+   arranged so that rank r receives the sum over all ranks of its own shard (torch.chunk
+   along the sharded dimension, as FSDP2 shards);
+4. adds the shard to its shard-size accumulators and deletes the quantities from the unsharded
+   parameters.
+
+Summed quantities (gradient, `SumGradSquared`, diagonals) sum their contributions. `Variance`
+sends `Σ_r n_r var_r`, `Σ_r n_r mean_r` and `Σ_r n_r mean_r²`: the batch's variance over all
+ranks' samples is `(Σ n_r var_r + Σ n_r mean_r² − n mean²) / n`, merged into the running state
+with Chan et al.'s formula. `BatchL2Grad` rows (a squared norm of the whole parameter per
+sample) stay on their rank, like under `distributed=True` without sharding. The gradient is taken
+from the unsharded parameter when autograd accumulates it (before FSDP reduce-scatters it,
+averaged over ranks, into `.grad`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from backpack import distributed as _dist
+from backpack.api import backpack, extend
+from backpack.curvature._data import Normaliser, batch_normaliser, reduction_of, sweep, trainable
+from backpack.curvature._quantities import BatchScale, Kind, Rows, Summed, VarianceKind
+from backpack.extensions.backprop_extension import BackpropExtension
+
+#: torch.distributed's reduce-scatter of one flat tensor (renamed in newer torch)
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+#: what a sweep of an FSDP2 model supports (named in errors)
+SUPPORTED = (
+    "the gradient, SumGradSquared, Variance, DiagGGNExact, DiagGGNMC, DiagHessian (each rank "
+    "keeps its shard) and BatchL2Grad (this rank's rows)"
+)
+
+
+def is_fully_sharded(model: nn.Module) -> bool:
+    """Whether `model` has parameters sharded by FSDP2 (`fully_shard`) or other DTensors."""
+    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        return True
+    return any("FSDP" in type(m).__name__ for m in model.modules())
+
+
+def refuse(what: str) -> NotImplementedError:
+    """The error of a curvature tool that does not support FSDP2 models."""
+    return NotImplementedError(
+        f"{what} does not support a model sharded with FSDP2 (fully_shard): its products or "
+        "factors need whole parameters on every rank. accumulate(model, lossfunc, data, "
+        f"extensions) does: {SUPPORTED}. For {what}, sweep a replicated copy: load "
+        "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)) into an "
+        "unsharded instance of the model and use it with distributed=True (docs: 'Curvature of "
+        "a data set', 'Distributed sweeps')."
+    )
+
+
+class _Shard:
+    """One trainable parameter of an FSDP2 model: its unsharded twin and how it is chunked."""
+
+    def __init__(self, name: str, param: Tensor, fsdp_param: Any, ranks: list[int], me: int):
+        self.name = name
+        self.param = param
+        self.fsdp_param = fsdp_param
+        (placement,) = param.placements
+        self.dim = placement.dim
+        self.shape = tuple(param.shape)
+        self.world = len(ranks)
+        #: chunk index of every rank of backpack's group (= world rank)
+        self.chunk_of = {g: i for i, g in enumerate(ranks)}
+        self.me = me
+        local = tuple(param.to_local().shape)
+        if local != self.chunk_shape(self.chunk_of[me]):
+            raise NotImplementedError(
+                f"accumulate: parameter {name} of the FSDP2 model is sharded unlike torch.chunk "
+                f"(local shard {local}, expected {self.chunk_shape(self.chunk_of[me])}); only "
+                "FSDP2's default even sharding along one dimension is supported."
+            )
+
+    def chunk_shape(self, index: int) -> tuple[int, ...]:
+        size = self.shape[self.dim]
+        step = -(-size // self.world)
+        length = max(0, min(size, (index + 1) * step) - min(size, index * step))
+        return self.shape[: self.dim] + (length,) + self.shape[self.dim + 1 :]
+
+    def chunk(self, value: Tensor, index: int) -> Tensor:
+        """Chunk `index` of a full-size `value` (torch.chunk semantics, empty past the end)."""
+        step = -(-self.shape[self.dim] // self.world)
+        return value.narrow(
+            self.dim,
+            min(self.shape[self.dim], index * step),
+            self.chunk_shape(index)[self.dim],
+        )
+
+    @property
+    def unsharded(self) -> Tensor | None:
+        return getattr(self.fsdp_param, "_unsharded_param", None)
+
+
+def _fsdp_params(model: nn.Module) -> dict[int, Any]:
+    """`{id(sharded parameter): FSDPParam}` of every FSDP2 module in `model`."""
+    found: dict[int, Any] = {}
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        group = getattr(get_state(), "_fsdp_param_group", None)
+        for fsdp_param in getattr(group, "fsdp_params", None) or []:
+            found[id(fsdp_param.sharded_param)] = fsdp_param
+    return found
+
+
+def shards(model: nn.Module, group: Any) -> list[_Shard]:
+    """The trainable parameters of an FSDP2 `model` with their sharding.
+
+    Raises:
+        NotImplementedError: For a parameter FSDP2 does not manage, a mesh other than a 1-D
+            mesh over every rank of `group` (HSDP, tensor parallelism), or uneven sharding.
+    """
+    fsdp = _fsdp_params(model)
+    world = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    out = []
+    for name, p in trainable(model):
+        fsdp_param = fsdp.get(id(p))
+        placements = getattr(p, "placements", ())
+        if fsdp_param is None or len(placements) != 1 or type(placements[0]).__name__ != "Shard":
+            raise NotImplementedError(
+                f"accumulate: parameter {name} ({type(p).__name__}, placements "
+                f"{placements}) is not sharded by FSDP2's fully_shard along one dimension of a "
+                "1-D mesh: apply fully_shard to the model (or its root) so that every trainable "
+                "parameter is managed by FSDP2; tensor parallelism and HSDP are not supported."
+            )
+        ranks = [int(r) for r in p.device_mesh.mesh.flatten().tolist()]
+        if len(ranks) != world or sorted(ranks) != list(range(world)):
+            raise NotImplementedError(
+                f"accumulate: parameter {name} is sharded over ranks {ranks}, not over all "
+                f"{world} ranks: HSDP and sub-meshes are not supported."
+            )
+        out.append(_Shard(name, p, fsdp_param, ranks, me))
+    if not out:
+        raise ValueError("The model has no trainable parameter.")
+    return out
+
+
+def check_kinds(kinds: dict[str, Kind], callback: Any) -> None:
+    """Refuse what a sharded sweep does not support (per-sample rows, Kronecker factors)."""
+    if callback is not None:
+        raise NotImplementedError(
+            "accumulate(callback=...) does not support a model sharded with FSDP2 (fully_shard); "
+            f"it supports {SUPPORTED}."
+        )
+    for field, kind in kinds.items():
+        if isinstance(kind, (Summed, VarianceKind)) or field == "batch_l2":
+            continue
+        raise NotImplementedError(
+            f"accumulate cannot sweep {field!r} on a model sharded with FSDP2 (fully_shard): "
+            f"it supports {SUPPORTED}. Per-sample rows of whole parameters and Kronecker factors "
+            "need unsharded parameters: sweep a replicated copy (docs: 'Curvature of a data "
+            "set', 'Distributed sweeps')."
+        )
+
+
+def fingerprint(model: nn.Module) -> tuple:
+    """A digest of this rank's shards of the parameters (no collective)."""
+    digest = []
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            flat = local.detach().flatten().to(torch.float64)
+            weights = (torch.arange(flat.numel(), device=flat.device) % 97 + 1).to(flat)
+            digest.append(
+                (
+                    name,
+                    tuple(p.shape),
+                    tuple(local.shape),
+                    p.requires_grad,
+                    float(flat.sum()),
+                    float((flat * weights).sum()),
+                )
+            )
+    return tuple(digest)
+
+
+def _gather(group: Any, values: list[float], what: str) -> Tensor:
+    """All-gather a few float64 numbers per rank: a `[world, len(values)]` table."""
+    device = _dist._header_device(group)
+    own = torch.tensor(values, dtype=torch.float64, device=device)
+    table = [torch.zeros_like(own) for _ in range(dist.get_world_size(group))]
+    try:
+        dist.all_gather(table, own, group=group)
+    except Exception as err:  # pragma: no cover - a rank died or timed out
+        raise RuntimeError(
+            f"accumulate (FSDP2) could not {what}: a rank did not get there within "
+            f"{_dist.TIMEOUT_S:g} s (backpack.distributed.TIMEOUT_S)."
+        ) from err
+    return torch.stack(table).cpu()
+
+
+def _agreed(table: Tensor, error: BaseException | None, what: str) -> None:
+    """Raise this rank's error, or one naming the first rank that failed (column 0)."""
+    if error is not None:
+        raise error
+    bad = [r for r, f in enumerate(table[:, 0].tolist()) if f]
+    if bad:
+        raise RuntimeError(
+            f"accumulate (FSDP2): rank {bad[0]} failed {what} (see its error); every rank stops "
+            "here."
+        )
+
+
+def _reduce_scatter(group: Any, items: list[tuple[_Shard, Tensor]], what: str) -> list[Tensor]:
+    """This rank's chunk of the sum over ranks of each full-size tensor.
+
+    One reduce-scatter per device and dtype: rank g's segment of the flat input holds chunk g
+    of every tensor, padded to the longest segment.
+    """
+    world = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    buckets: dict[tuple, list[int]] = {}
+    for i, (_, t) in enumerate(items):
+        buckets.setdefault((t.device, t.dtype), []).append(i)
+    out: list[Tensor | None] = [None] * len(items)
+    for (device, dtype), indices in buckets.items():
+        segments = []
+        for g in range(world):
+            parts = [
+                items[i][0].chunk(items[i][1], items[i][0].chunk_of[g]).reshape(-1) for i in indices
+            ]
+            segments.append(torch.cat(parts) if parts else torch.zeros(0, dtype=dtype))
+        length = max(s.numel() for s in segments)
+        flat = torch.zeros(world * length, dtype=dtype, device=device)
+        for g, s in enumerate(segments):
+            flat[g * length : g * length + s.numel()] = s
+        mine = torch.empty(length, dtype=dtype, device=device)
+        try:
+            _REDUCE_SCATTER(mine, flat, group=group)
+        except Exception as err:  # pragma: no cover - a rank died or timed out
+            raise RuntimeError(
+                f"accumulate (FSDP2) could not {what}: a rank did not get there within "
+                f"{_dist.TIMEOUT_S:g} s (backpack.distributed.TIMEOUT_S)."
+            ) from err
+        del flat, segments
+        offset = 0
+        for i in indices:
+            shard = items[i][0]
+            shape = shard.chunk_shape(shard.chunk_of[me])
+            size = int(torch.Size(shape).numel())
+            out[i] = mine[offset : offset + size].view(shape)
+            offset += size
+    return out  # type: ignore[return-value]
+
+
+def sharded_sweep(
+    model: nn.Module,
+    lossfunc: Any,
+    data: Iterable,
+    extensions: list[BackpropExtension],
+    kinds: dict[str, Kind],
+    group: Any,
+    progress: bool = False,
+    normaliser: Normaliser | None = None,
+    num_samples: Callable[[Any], int] | None = None,
+) -> dict[str, Any]:
+    """Every rank's shard of the data-set quantities of an FSDP2 model (see the module doc).
+
+    Returns:
+        The fields of an `Accumulated` (states and gradient: this rank's shards).
+
+    Raises:
+        RuntimeError: When the ranks have different numbers of batches, another rank failed,
+            or the ranks swept different extensions, reductions or batch shapes.
+    """
+    reduction = reduction_of(lossfunc, normaliser)
+    extend(model)
+    if isinstance(lossfunc, nn.Module):
+        extend(lossfunc)
+    params = shards(model, group)
+    names = [s.name for s in params]
+    world = dist.get_world_size(group)
+    before = fingerprint(model)
+    saved_grads = [s.param.grad for s in params]
+    setup = _digest((reduction, list(kinds), [type(e).__name__ for e in extensions]))
+    grads: dict[int, Tensor] = {}  # id(unsharded parameter) -> this batch's local gradient
+    hooked: dict[int, Any] = {}
+    states: dict[str, dict[str, Any]] = {f: dict.fromkeys(names) for f in kinds}
+    grad_state: dict[str, Any] = dict.fromkeys(names)
+    nu_total, samples, batches, signature = 0.0, 0, 0, None
+    ref_scale: float | None = None
+    ref_count: int | None = None
+
+    def keep_grad(p: Tensor) -> None:
+        grads[id(p)] = p.grad.detach().clone()
+
+    batches_iter = iter(sweep(data, progress, "accumulate", num_samples))
+    try:
+        for s in params:  # quantities of an earlier sweep or backward
+            _clean(s, kinds)
+        while True:
+            batch, error = None, None
+            try:
+                batch = next(batches_iter)
+            except StopIteration:
+                pass
+            except Exception as err:  # noqa: BLE001 - agreed with the other ranks first
+                error = err
+            table = _gather(group, [float(error is not None), float(batch is not None)], "agree")
+            _agreed(table, error, f"before batch {batches}")
+            has = table[:, 1].tolist()
+            if not any(has):
+                break
+            if not all(has):
+                raise RuntimeError(
+                    "accumulate (FSDP2): the ranks' shards have different numbers of batches: "
+                    f"ranks {[r for r, h in enumerate(has) if h]} have a batch {batches}, ranks "
+                    f"{[r for r, h in enumerate(has) if not h]} have none. FSDP2 runs "
+                    "collectives in every forward and backward, so every rank must sweep the "
+                    "same number of batches (their sizes may differ)."
+                )
+            assert batch is not None
+            for s in params:
+                s.param.grad = None
+            with torch.enable_grad():
+                output = model(batch.X)
+                nu = batch_normaliser(lossfunc, output, batch.y, normaliser)
+                for s in params:
+                    p = s.unsharded
+                    if p is not None and id(p) not in hooked:
+                        hooked[id(p)] = p.register_post_accumulate_grad_hook(keep_grad)
+                if reduction == "mean" and nu == 0:  # no loss term: zero gradients, in step
+                    (output.sum() * 0.0).backward()
+                else:
+                    loss = lossfunc(output, batch.y)
+                    with backpack(*extensions, sync=False):
+                        loss.backward()
+            del output
+            error, values = None, {}
+            try:
+                values = _take(params, kinds, grads, skip=reduction == "mean" and nu == 0)
+            except Exception as err:  # noqa: BLE001 - agreed with the other ranks first
+                error = err
+            head = [float(error is not None), nu, float(batch.num_samples), setup]
+            table = _gather(group, head, "exchange the batch's normalisers")
+            _agreed(table, error, f"in batch {batches}")
+            if len(set(table[:, 3].tolist())) > 1:
+                raise RuntimeError(
+                    "accumulate (FSDP2): the ranks swept different extensions or reductions."
+                )
+            batch_nu, batch_count = float(table[:, 1].sum()), int(table[:, 2].sum())
+            scale = nu if reduction == "mean" else 1.0
+            if ref_scale is None and reduction == "mean" and batch_nu != 0:
+                ref_scale = batch_nu
+            if ref_count is None:
+                ref_count = batch_count
+            rel = scale / (ref_scale or 1.0)
+            info = BatchScale(index=batches, scale=rel, num_samples=batch.num_samples)
+            _add(params, kinds, states, grad_state, values, info, batch_count, group)
+            values.clear()
+            nu_total += batch_nu
+            samples += batch_count
+            batches += 1
+            if signature is None:
+                signature = batch.signature
+    finally:
+        for handle in hooked.values():
+            handle.remove()
+        for s in params:
+            _clean(s, kinds)
+        for s, saved in zip(params, saved_grads):
+            s.param.grad = saved
+    if fingerprint(model) != before:
+        raise ValueError("The model's parameters changed during the sweep.")
+    for s in params:
+        if grad_state[s.name] is None:
+            grad_state[s.name] = torch.zeros_like(s.param.to_local())
+    return {
+        "reduction": reduction,
+        "total": nu_total,
+        "num_samples": samples,
+        "num_batches": batches * world,
+        "names": names,
+        "kinds": kinds,
+        "states": states,
+        "grad": grad_state,
+        "model_fingerprint": before,
+        "signature": signature,
+        "ref_scale": ref_scale or 1.0,
+        "ref_count": ref_count or 1,
+        "ranks": world,
+        "sharded": True,
+    }
+
+
+def _digest(obj: Any) -> float:
+    import zlib
+
+    return float(zlib.crc32(repr(obj).encode()))
+
+
+def _take(params: list[_Shard], kinds, grads, skip: bool) -> dict[str, dict[str, Any]]:
+    """This batch's full-size local quantities, removed from the unsharded parameters."""
+    values: dict[str, dict[str, Any]] = {"grad": {}}
+    for f in kinds:
+        values[f] = {}
+    for s in params:
+        p = s.unsharded
+        grad = grads.pop(id(p), None) if p is not None else None
+        if grad is None:
+            raise ValueError(
+                f"Parameter {s.name} got no gradient in this batch: accumulate needs every "
+                "trainable parameter to take part in the loss (freeze unused ones)."
+            )
+        values["grad"][s.name] = grad
+        for f in kinds:
+            # where the quantity lands: on the unsharded parameter, or on the sharded one when
+            # the module's rule ran before FSDP gathered it again for the backward
+            value = None
+            for holder in (p, s.param):
+                if value is None and not skip:
+                    value = getattr(holder, f, None)
+            if value is None and not skip:
+                raise ValueError(
+                    f"Parameter {s.name} got no {f!r} in this batch (is its layer supported by "
+                    "this extension? see the warnings)."
+                )
+            values[f][s.name] = value
+            _clean(s, [f])
+    return values
+
+
+def _clean(s: _Shard, fields) -> None:
+    """Delete the quantities `fields` from the unsharded and sharded parameter."""
+    for holder in (s.unsharded, s.param):
+        for f in fields:
+            if holder is not None and f in holder.__dict__:
+                delattr(holder, f)
+
+
+def _add(params, kinds, states, grad_state, values, info: BatchScale, batch_count, group) -> None:
+    """Reduce-scatter one batch's scaled contributions and add them to the shard states."""
+    items: list[tuple[_Shard, Tensor]] = []
+    slots: list[tuple[str, str, str]] = []  # (field, name, part)
+    for s in params:
+        grad = values["grad"][s.name] * info.scale
+        items.append((s, grad))
+        slots.append(("grad", s.name, ""))
+        for f, kind in kinds.items():
+            value = values[f][s.name]
+            if isinstance(kind, Rows):  # batch_l2: this rank's rows
+                if value is None:
+                    states[f][s.name] = kind.skip(states[f][s.name], info, s.name, grad)
+                else:
+                    states[f][s.name] = kind.add(states[f][s.name], value, info, s.name, None)
+                continue
+            if isinstance(kind, VarianceKind):
+                n = info.num_samples
+                var = torch.zeros_like(grad) if value is None else value * info.scale**2
+                mean = grad / n
+                items += [(s, var * n), (s, mean * grad)]  # n var, n mean²
+                slots += [(f, s.name, "var"), (f, s.name, "sq")]
+                continue
+            if value is None:
+                value = torch.zeros_like(grad)
+            elif info.scale != 1:
+                value = value * info.scale**kind.power
+            items.append((s, value))
+            slots.append((f, s.name, ""))
+    reduced = _reduce_scatter(group, items, "reduce the batch's quantities")
+    batch_grad: dict[str, Tensor] = {}
+    parts: dict[tuple[str, str], dict[str, Tensor]] = {}
+    for (f, name, part), value in zip(slots, reduced):
+        if f == "grad":
+            batch_grad[name] = value
+            grad_state[name] = (
+                value.clone() if grad_state[name] is None else grad_state[name] + value
+            )
+        elif part:
+            parts.setdefault((f, name), {})[part] = value
+        else:
+            states[f][name] = value.clone() if states[f][name] is None else states[f][name] + value
+    for (f, name), p in parts.items():
+        n = batch_count
+        mean = batch_grad[name] / n
+        spread = (p["sq"] - mean.square() * n).clamp_min(0)
+        var = (p["var"] + spread) / n
+        states[f][name] = kinds[f].merge(states[f][name], (n, mean, var))
