@@ -235,16 +235,23 @@ def _reduce_scatter(group: Any, items: list[tuple[_Shard, Tensor]], what: str) -
         buckets.setdefault((t.device, t.dtype), []).append(i)
     out: list[Tensor | None] = [None] * len(items)
     for (device, dtype), indices in buckets.items():
-        segments = []
-        for g in range(world):
-            parts = [
-                items[i][0].chunk(items[i][1], items[i][0].chunk_of[g]).reshape(-1) for i in indices
+        sizes = [
+            [
+                int(torch.Size(items[i][0].chunk_shape(items[i][0].chunk_of[g])).numel())
+                for i in indices
             ]
-            segments.append(torch.cat(parts) if parts else torch.zeros(0, dtype=dtype))
-        length = max(s.numel() for s in segments)
+            for g in range(world)
+        ]
+        length = max(sum(row) for row in sizes)
         flat = torch.zeros(world * length, dtype=dtype, device=device)
-        for g, s in enumerate(segments):
-            flat[g * length : g * length + s.numel()] = s
+        for g in range(world):
+            offset = g * length
+            for i, size in zip(indices, sizes[g]):
+                shard, value = items[i]
+                flat[offset : offset + size].view(shard.chunk_shape(shard.chunk_of[g])).copy_(
+                    shard.chunk(value, shard.chunk_of[g])
+                )
+                offset += size
         mine = torch.empty(length, dtype=dtype, device=device)
         try:
             _REDUCE_SCATTER(mine, flat, group=group)
@@ -253,7 +260,7 @@ def _reduce_scatter(group: Any, items: list[tuple[_Shard, Tensor]], what: str) -
                 f"accumulate (FSDP2) could not {what}: a rank did not get there within "
                 f"{_dist.TIMEOUT_S:g} s (backpack.distributed.TIMEOUT_S)."
             ) from err
-        del flat, segments
+        del flat
         offset = 0
         for i in indices:
             shard = items[i][0]
