@@ -347,12 +347,11 @@ def sharded_sweep(
                     p = s.unsharded
                     if p is not None and id(p) not in hooked:
                         hooked[id(p)] = p.register_post_accumulate_grad_hook(keep_grad)
-                if reduction == "mean" and nu == 0:  # no loss term: zero gradients, in step
-                    (output.sum() * 0.0).backward()
-                else:
-                    loss = lossfunc(output, batch.y)
-                    with backpack(*extensions, sync=False):
-                        loss.backward()
+                # without loss terms (ν = 0 under "mean") the backward still runs, with the
+                # same collectives as the other ranks'; its quantities are dropped
+                loss = lossfunc(output, batch.y)
+                with backpack(*extensions, sync=False):
+                    loss.backward()
             del output
             error, values = None, {}
             try:
@@ -425,6 +424,8 @@ def _take(params: list[_Shard], kinds, grads, skip: bool) -> dict[str, dict[str,
     for s in params:
         p = s.unsharded
         grad = grads.pop(id(p), None) if p is not None else None
+        if grad is not None and skip:
+            grad = torch.zeros_like(grad)
         if grad is None:
             raise ValueError(
                 f"Parameter {s.name} got no gradient in this batch: accumulate needs every "

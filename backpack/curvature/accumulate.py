@@ -302,7 +302,11 @@ def accumulate(
             the whole data set (per-sample rows: this rank's rows, scaled as rows of the whole
             data set; `total` is the whole data set's). None (default): when torch.distributed
             runs with more than one process; True: always (raises if it is not initialised);
-            False: this rank's shard only. Every rank must call `accumulate` together.
+            False: this rank's shard only. Every rank must call `accumulate` together. A
+            model sharded with FSDP2 (`fully_shard`) is swept with one reduce-scatter per
+            batch (every rank needs the same number of batches) and each rank gets its shard
+            of the gradient, `SumGradSquared`, `Variance` and the diagonals, written as
+            DTensors like FSDP's `.grad` (docs: "Distributed sweeps").
 
     Returns:
         An `Accumulated` result (mergeable with another sweep's, and `write`-able to a model).

@@ -369,6 +369,18 @@ def fully_sharded(rank: int, world: int) -> None:
         close(both["diag_ggn_exact"][pname], own_chunk(q.diag_ggn_exact, rank, world), pname)
         close(both.gradient()[pname], own_chunk(q.grad, rank, world), f"{pname} merged grad")
     assert all(p.grad is None and not hasattr(p, "diag_ggn_exact") for p in model.parameters())
+    # rank 0's first batch has no loss term (every target ignored): it still runs FSDP's
+    # backward (zero gradients) and counts its samples in the variance
+    ignored = [
+        (X, torch.full_like(y, -100) if i == 0 else y) for i, (X, y) in enumerate(everything)
+    ]
+    exts = [DiagGGNExact(), Variance(), SumGradSquared()]
+    result = accumulate(model, lossfunc, ignored[: len(mine)] if rank == 0 else mine, exts)
+    expected = accumulate(problem.model(), lossfunc, ignored, exts, distributed=False)
+    assert result.total == expected.total < problem.N
+    for field in ("diag_ggn_exact", "variance", "sum_grad_squared"):
+        for pname, value in expected.quantity(field).items():
+            close(result[field][pname], own_chunk(value, rank, world), f"ignored {pname} {field}")
     # Monte-Carlo: each rank draws for its own samples; every rank holds its shard
     mc = accumulate(model, lossfunc, mine, DiagGGNMC()).quantity("diag_ggn_mc")
     for pname, p in model.named_parameters():
