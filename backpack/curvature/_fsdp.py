@@ -462,11 +462,14 @@ def _add(params, kinds, states, grad_state, values, info: BatchScale, batch_coun
     items: list[tuple[_Shard, Tensor]] = []
     slots: list[tuple[str, str, str]] = []  # (field, name, part)
     for s in params:
-        grad = values["grad"][s.name] * info.scale
+        dtype = s.param.dtype  # FSDP's sharded dtype (mixed precision computes in another)
+        grad = values["grad"][s.name].to(dtype) * info.scale
         items.append((s, grad))
         slots.append(("grad", s.name, ""))
         for f, kind in kinds.items():
             value = values[f][s.name]
+            if value is not None and value.is_floating_point():
+                value = value.to(dtype)
             if isinstance(kind, Rows):  # batch_l2: this rank's rows
                 if value is None:
                     states[f][s.name] = kind.skip(states[f][s.name], info, s.name, grad)

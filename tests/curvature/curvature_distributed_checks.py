@@ -287,16 +287,17 @@ def fsdp_extensions() -> list:
     return [SumGradSquared(), Variance(), DiagGGNExact(), DiagHessian(), BatchL2Grad()]
 
 
-def fsdp_model(problem, nested: bool):
+def fsdp_model(problem, nested: bool, param_dtype=None):
     """The problem's model sharded with fully_shard (each child with parameters too if nested)."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = problem.model()
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype)
     if nested:
         for child in model.children():
             if any(True for _ in child.parameters()):
-                fully_shard(child)
-    fully_shard(model)
+                fully_shard(child, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     return model
 
 
@@ -361,7 +362,7 @@ def fully_sharded(rank: int, world: int) -> None:
     problem, mine, everything, _, _ = fsdp_shards("mlp_ce", rank, world)
     lossfunc = problem.make_loss("mean")
     model, ref = fsdp_model(problem, nested=True), problem.model()
-    accumulate(ref, lossfunc, everything, DiagGGNExact(), distributed=False)
+    accumulate(ref, lossfunc, everything, [DiagGGNExact(), Variance()], distributed=False)
     # two sweeps merged: exact, like one sweep
     first = accumulate(model, lossfunc, mine[:1], DiagGGNExact(), write=False)
     both = first.merge(accumulate(model, lossfunc, mine[1:], DiagGGNExact(), write=False))
@@ -381,6 +382,15 @@ def fully_sharded(rank: int, world: int) -> None:
     for field in ("diag_ggn_exact", "variance", "sum_grad_squared"):
         for pname, value in expected.quantity(field).items():
             close(result[field][pname], own_chunk(value, rank, world), f"ignored {pname} {field}")
+    # mixed precision (float32 compute, float64 shards): accumulated in the shards' float64
+    mixed = fsdp_model(problem, nested=False, param_dtype=torch.float32)
+    floats = [(X.float(), y) for X, y in mine]
+    result = accumulate(mixed, lossfunc, floats, [DiagGGNExact(), Variance()])
+    for field in ("diag_ggn_exact", "variance"):
+        for pname, q in ref.named_parameters():
+            got, want = result[field][pname], own_chunk(getattr(q, field), rank, world)
+            assert got.dtype == torch.float64, got.dtype
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-8), f"mixed {pname} {field}"
     # Monte-Carlo: each rank draws for its own samples; every rank holds its shard
     mc = accumulate(model, lossfunc, mine, DiagGGNMC()).quantity("diag_ggn_mc")
     for pname, p in model.named_parameters():
