@@ -355,6 +355,40 @@ def fully_sharded_case(name: str, reduction: str, nested: bool):
     return check
 
 
+def sharded_last_dim(rank: int, world: int) -> None:
+    """shard_placement_fn=Shard(last dimension): each rank's chunk along that dimension."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    def make():
+        torch.manual_seed(3)
+        return nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+
+    g = torch.Generator().manual_seed(5)
+    sizes = [s for shard in FSDP_SHARDS[world] for s in shard]
+    everything = [
+        (
+            torch.randn(n, 6, generator=g, dtype=torch.float64),
+            torch.randint(0, 3, (n,), generator=g),
+        )
+        for n in sizes
+    ]
+    per_rank = len(FSDP_SHARDS[world][0])
+    mine = everything[rank * per_rank : (rank + 1) * per_rank]
+    model, ref = make(), make()
+    last = lambda p: Shard(p.dim() - 1)  # noqa: E731
+    for module in (model[0], model[2], model):
+        fully_shard(module, shard_placement_fn=last)
+    lossfunc = nn.CrossEntropyLoss()
+    result = accumulate(model, lossfunc, mine, [DiagGGNExact(), Variance()])
+    accumulate(ref, lossfunc, everything, [DiagGGNExact(), Variance()], distributed=False)
+    for (pname, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        for field in ("diag_ggn_exact", "variance"):
+            want = getattr(q, field).chunk(world, dim=q.dim() - 1)[rank]
+            close(result[field][pname], want, f"{pname}.{field}")
+            close(getattr(p, field).full_tensor(), getattr(q, field), f"{pname}.{field} full")
+
+
 def fully_sharded(rank: int, world: int) -> None:
     """FSDP2 sweeps: merge, write=False, DiagGGNMC, and what is refused, on every rank."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -461,6 +495,7 @@ MAIN: list[tuple[str, Callable]] = [
     ("fsdp-mlp_ce-sum", fully_sharded_case("mlp_ce", "sum", nested=False)),
     ("fsdp-mlp_mse-mean", fully_sharded_case("mlp_mse", "mean", nested=False)),
     ("fsdp-token_ce-sum-nested", fully_sharded_case("token_ce", "sum", nested=True)),
+    ("fsdp-last-dim", sharded_last_dim),
     ("fully-sharded", fully_sharded),
 ]
 SCENARIOS = {"main": MAIN, "fsdp": [c for c in MAIN if c[0].startswith(("fsdp", "fully"))]}
