@@ -498,7 +498,7 @@ MAIN: list[tuple[str, Callable]] = [
     ("fsdp-last-dim", sharded_last_dim),
     ("fully-sharded", fully_sharded),
 ]
-SCENARIOS = {"main": MAIN, "fsdp": [c for c in MAIN if c[0].startswith(("fsdp", "fully"))]}
+SCENARIOS = {"main": MAIN}
 
 
 def worker(rank: int, world: int, port: int, scenario: str, outdir: str) -> None:
