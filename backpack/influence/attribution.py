@@ -27,7 +27,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from backpack.curvature._data import Normaliser, reduction_of, trainable
-from backpack.curvature._distributed import all_sum, digest, guarded, process_group, rank_of
+from backpack.curvature._distributed import (
+    all_sum,
+    check_not_fully_sharded,
+    digest,
+    guarded,
+    process_group,
+    rank_of,
+)
 from backpack.curvature._rows import row_batches
 from backpack.curvature.ekfac import EKFAC, EigenBlock, kfac_eigenblocks
 from backpack.curvature.kfac import KFAC
@@ -165,6 +172,7 @@ class Influence:
     ) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
+        check_not_fully_sharded(model, "backpack.influence")
         params = trainable(model)
         if strategy != "identity":
             if blocks is None or damping is None:
@@ -533,6 +541,7 @@ def fit(
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
+    check_not_fully_sharded(model, "influence.fit")
     if fisher not in _FISHERS:
         raise ValueError(f"fisher must be one of {tuple(_FISHERS)}, got {fisher!r}.")
     if damping is not None and damping < 0:

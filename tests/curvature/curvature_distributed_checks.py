@@ -30,6 +30,7 @@ from backpack.extensions import (
     SumGradSquared,
     Variance,
 )
+from backpack.influence import fit, tracin
 from backpack.passes import state
 
 #: batch sizes of each rank's shard (11 samples in all): uneven numbers and sizes of batches
@@ -459,6 +460,12 @@ def fully_sharded(rank: int, world: int) -> None:
         ),
         (NotImplementedError, "replicated copy", lambda: GGN(model, lossfunc, mine)),
         (NotImplementedError, "replicated copy", lambda: KFAC(model, lossfunc, mine)),
+        (NotImplementedError, "influence.fit", lambda: fit(model, lossfunc, mine, "diagonal")),
+        (
+            NotImplementedError,
+            "backpack.influence",
+            lambda: tracin([model], lossfunc, mine, mine, 0.1),
+        ),
     ]
     for error, match, run in refused:
         try:
