@@ -568,6 +568,18 @@ class Hessian(_DataOperator):
             self._kept = None
 
     def _matmat(self, V: Tensor) -> Tensor:
+        try:
+            return self._products(V)
+        except RuntimeError as err:
+            if "double backward" not in str(err):
+                raise
+            raise RuntimeError(
+                f"Hessian products backpropagate twice, which this model's compiled code does "
+                f"not support ({err}). Build the Hessian on the uncompiled module (a compiled "
+                "submodule's `_orig_mod`: it shares the parameters)."
+            ) from err
+
+    def _products(self, V: Tensor) -> Tensor:
         kept = self._kept
         if kept is None or not kept.complete:
             if kept is not None:
@@ -610,8 +622,11 @@ class Hessian(_DataOperator):
     def _graph(self, batch: Batch) -> _Graph:
         """The batch's loss gradient with its graph (`create_graph`), and its `ν`."""
         names, params = zip(*trainable(self.model))
+        # torch.compile'd code has no double backward; the original module has the same
+        # parameters and function
+        model = getattr(self.model, "_orig_mod", self.model)
         with disable(), torch.enable_grad():
-            output = self.model(batch.X)
+            output = model(batch.X)
             nu = self._nu(output.detach(), batch.y) if self.reduction == "mean" else 1.0
             if self.reduction == "mean" and nu == 0:
                 return _Graph(names, params, (), [], nu)

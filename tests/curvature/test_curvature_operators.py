@@ -272,3 +272,26 @@ def test_estimators_keep_hessian_graphs():
     calls.clear()
     slq_logdet(op, damping=damping, num_probes=2, num_steps=expected.shape[0])
     assert len(calls) == len(SIZES)
+
+
+def test_hessian_of_a_compiled_model():
+    """A torch.compile'd model: products through the original module; compiled inner code names
+    the fix (compiled code has no double backward)."""
+    problem = PROBLEMS["mlp_ce"]
+    model = problem.model()
+    lossfunc = problem.make_loss("mean")
+    expected = Reference(problem, model, "mean").hessian()
+    v = torch.randn(expected.shape[0], dtype=torch.float64)
+    close(Hessian(torch.compile(model), lossfunc, problem.batches(SIZES)) @ v, expected @ v)
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.compile(nn.Linear(3, 2).double())
+
+        def forward(self, x):
+            return self.inner(x)
+
+    data = [(torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0]))]
+    with pytest.raises(RuntimeError, match="_orig_mod"):
+        Hessian(Outer(), nn.CrossEntropyLoss(), data) @ torch.ones(8, dtype=torch.float64)
