@@ -414,7 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="small sizes (smoke test)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    # one thread: process CPU time counts the busy-waiting of idle OpenMP threads otherwise,
+    # which grows with the other jobs on a shared machine
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None, help="write the markdown here")
     parser.add_argument(
         "--clock", choices=("cpu", "wall"), default="cpu", help="time measure of the time rows"
