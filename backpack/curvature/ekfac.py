@@ -20,7 +20,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from backpack.core.derivatives import convnd
 from backpack.curvature import _distributed as _dist
+from backpack.curvature._conv_eigen import Bases, eigenbasis_rules, is_target_class
 from backpack.curvature._data import Normaliser, needs_reiterable, reduction_of, trainable
 from backpack.curvature._distributed import rank_of
 from backpack.curvature._rows import row_batches
@@ -28,6 +30,7 @@ from backpack.curvature.accumulate import accumulate
 from backpack.curvature.kfac import KFAC
 from backpack.curvature.operators import CurvatureOperator
 from backpack.extensions import DiagGGNExact, DiagGGNMC, SumGradSquared
+from backpack.recording import is_parametrized
 
 __all__ = ["EKFAC", "EKFACInverse", "EigenBlock"]
 
@@ -262,19 +265,72 @@ def _rotated(targets: Mapping[str, tuple[nn.Linear, EigenBlock]], frozen: list[T
             p.requires_grad_(True)
 
 
-def _faithful(model: nn.Module, targets, X: Any) -> bool:
-    """Whether the rotated model computes the same output (no weight used outside its call)."""
+def _conv_targets(
+    model: nn.Module, blocks: list[EigenBlock], exact: set[str]
+) -> dict[nn.Module, tuple[EigenBlock, EigenBlock | None]]:
+    """Convolution weights (torch's classes, not tied) in a Kronecker eigenbasis, by module.
+
+    Each with its module's bias block where that has a dense factor and is not `exact` (its
+    corrected eigenvalues then come from the same sweep), else None.
+    """
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    by_name = {b.name: b for b in blocks}
+    found = {}
+    for block, module, attr in _owned(model, blocks):
+        if (
+            attr != "weight"
+            or module is None
+            or not is_target_class(module)
+            or is_parametrized(module)
+            or len(block.vectors) != 2
+            or block.transposed != convnd.is_transposed(module)
+            or uses[id(module.weight)] != 1
+            or block.vectors[0].dtype != module.weight.dtype
+        ):
+            continue
+        bias = by_name.get(block.name[: -len("weight")] + "bias")
+        if bias is not None and (
+            bias.name in exact
+            or len(bias.vectors) != 1
+            or uses[id(module.bias)] != 1
+            or bias.vectors[0].dtype != module.bias.dtype
+        ):
+            bias = None
+        found[module] = (block, bias)
+    return found
+
+
+def _first_batch(
+    model: nn.Module, targets: Mapping[str, tuple[nn.Linear, EigenBlock]], convs: list, X: Any
+) -> tuple[bool, list[bool]]:
+    """Checks on the first batch: the rotated model's output, each convolution's calls.
+
+    Returns whether the rotated model computes the same output (no Linear weight used outside
+    its call), and whether each of `convs` is called exactly once per forward.
+    """
     buffers = [(b, b.clone()) for b in model.buffers()]
-    with torch.no_grad():
-        plain = model(X)
-        with _rotated(targets, []):
-            rotated = model(X)
-        for buffer, saved in buffers:  # running statistics are not this check's to update
-            buffer.copy_(saved)
+    calls: Counter = Counter()
+    handles = [m.register_forward_hook(lambda m, *_: calls.update([id(m)])) for m in convs]
+    try:
+        with torch.no_grad():
+            plain = model(X)
+            for handle in handles:
+                handle.remove()
+            if targets:
+                with _rotated(targets, []):
+                    rotated = model(X)
+            for buffer, saved in buffers:  # running statistics are not this check's to update
+                buffer.copy_(saved)
+    finally:
+        for handle in handles:
+            handle.remove()
+    once = [calls[id(m)] == 1 for m in convs]
+    if not targets:
+        return True, once
     if not isinstance(plain, Tensor) or not isinstance(rotated, Tensor):
-        return False
+        return False, once
     scale = plain.abs().max().clamp_min(1.0)
-    return bool(((plain - rotated).abs().max() <= 1e-3 * scale).item())
+    return bool(((plain - rotated).abs().max() <= 1e-3 * scale).item()), once
 
 
 def _correct(
@@ -297,21 +353,42 @@ def _correct(
     `nn.Linear` weights: the diagonal of the curvature w.r.t. the rotated weight `W̃` (see
     `_rotated`) is exactly `qᵀ F q` in the Kronecker eigenbasis, and backpack's diagonals of
     a Linear layer never form per-sample gradients (one `[C·N, out] x [C·N, in]` product per
-    batch instead of rotating `C·N` rows of `out x in`). Other blocks rotate their rows.
+    batch instead of rotating `C·N` rows of `out x in`). Convolutions (weights and dense-factor
+    biases) take the same diagonals in the same sweep, computed in their eigenbases by
+    `_conv_eigen` (per-sample gradients formed from rotated factors, never rows). Other blocks
+    rotate their rows.
     """
+    # for the GGN, the dense factor of a Linear or convolution bias is the exact block B
+    # (Σ over samples and outputs of (Σ_positions s)(Σ_positions s)ᵀ), so qᵀ B q is B's
+    # eigenvalue, the value the block already has. Not so for sampled draws ("mc": the
+    # correction takes fresh ones), the empirical factors of token losses, or the dense
+    # factors of other layers (attention's, e.g., approximate their block).
+    exact = _exact_bias_blocks(model, blocks) if fisher_type == "type-2" else set()
     targets = _rotatable(model, blocks)
-    if targets:
+    convs = _conv_targets(model, blocks, exact)
+    if targets or convs:
         first = next(iter(data))[0]
-        faithful = _faithful(model, targets, first)
+        faithful, once = _first_batch(model, targets, list(convs), first)
         if group is not None:  # the same path on every rank
-            (agreed,) = _dist.all_sum(group, [], [float(faithful)], None, "EKFAC")
-            faithful = agreed == _dist.world_size(group)
+            agreed = _dist.all_sum(group, [], [float(faithful), *map(float, once)], None, "EKFAC")
+            faithful = agreed[0] == _dist.world_size(group)
+            once = [a == _dist.world_size(group) for a in agreed[1:]]
         if not faithful:
             targets = {}
+        convs = {m: pair for (m, pair), ok in zip(convs.items(), once) if ok}
+    bases = {
+        module: Bases(*weight.vectors, bias.vectors[0] if bias is not None else None)
+        for module, (weight, bias) in convs.items()
+    }
+    swept = {name: block for name, (_, block) in targets.items()}
+    for weight, bias in convs.values():
+        swept[weight.name] = weight
+        if bias is not None:
+            swept[bias.name] = bias
     params = dict(trainable(model))
     total, count = 0.0, 0
-    if targets:
-        others = [p for name, p in params.items() if name not in targets]
+    if swept:
+        others = [p for name, p in params.items() if name not in swept]
         if fisher_type == "type-2":
             extension: Any = DiagGGNExact()
         elif fisher_type == "mc":
@@ -319,7 +396,7 @@ def _correct(
         else:
             extension = SumGradSquared()
         try:
-            with _rotated(targets, others):
+            with _rotated(targets, others), eigenbasis_rules(bases):
                 result = accumulate(
                     model,
                     lossfunc,
@@ -334,24 +411,18 @@ def _correct(
         except NotImplementedError:
             # the rotation puts computation between a layer and the loss that backpack needs
             # to see as a reshape (token losses on flattened logits): rotate rows instead
-            targets = {}
-    # for the GGN, the dense factor of a Linear or convolution bias is the exact block B
-    # (Σ over samples and outputs of (Σ_positions s)(Σ_positions s)ᵀ), so qᵀ B q is B's
-    # eigenvalue, the value the block already has. Not so for sampled draws ("mc": the
-    # correction takes fresh ones), the empirical factors of token losses, or the dense
-    # factors of other layers (attention's, e.g., approximate their block).
-    exact = _exact_bias_blocks(model, blocks) if fisher_type == "type-2" else set()
-    rest = [b for b in blocks if b.name not in targets and b.name not in exact]
-    if targets:
+            swept = {}
+    rest = [b for b in blocks if b.name not in swept and b.name not in exact]
+    if swept:
         diagonal = result.quantity(extension.savefield)
         # SumGradSquared holds Σ_n (∇ℓ_n / ν)²: one factor ν back to R Σ_n (qᵀ∇ℓ_n)²
         scale = result.normaliser if fisher_type == "empirical" else 1.0
-        for name, (_, block) in targets.items():
+        for name, block in swept.items():
             block.values = diagonal[name].reshape(block.values.shape) * scale
         total, count = result.total, result.num_samples
     if not rest:
         return total, count
-    frozen = [params[name] for name in targets]
+    frozen = [params[name] for name in swept]
 
     def local() -> tuple[list[Tensor], float, int]:
         sums = [torch.zeros_like(b.values) for b in rest]

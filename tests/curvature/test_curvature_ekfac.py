@@ -217,16 +217,132 @@ def test_bfloat16_weights_keep_float32_eigenvalues():
 
 
 @pytest.mark.parametrize("fisher", ["type-2", "mc", "empirical"])
-def test_rotated_fit_leaves_the_model_as_it_was(fisher):
-    """The rotated-weight sweep swaps weights and freezes parameters for a while: afterwards
-    the same parameter objects, trainable, with their `.grad` untouched."""
-    problem = PROBLEMS["mlp_ce"]
+@pytest.mark.parametrize("name", ["mlp_ce", "cnn_ce"])
+def test_rotated_fit_leaves_the_model_as_it_was(fisher, name):
+    """The rotated-weight sweep swaps weights (and convolutions' classes) and freezes
+    parameters for a while: afterwards the same classes and parameter objects, trainable, with
+    their `.grad` untouched."""
+    problem = PROBLEMS[name]
     model = problem.model()
     params = list(model.parameters())
+    classes = [type(m) for m in model.modules()]
     for p in params:
         p.grad = torch.full_like(p, 3.0)
     EKFAC(model, problem.make_loss("mean"), problem.batches(SIZES), fisher_type=fisher)
     assert list(model.parameters()) == params
+    assert [type(m) for m in model.modules()] == classes
+    assert not any("_ekfac_bases" in m.__dict__ for m in model.modules())
     for p in params:
         assert p.requires_grad and torch.equal(p.grad, torch.full_like(p, 3.0))
         assert not hasattr(p, "diag_ggn_exact") and not hasattr(p, "sum_grad_squared")
+
+
+class TwoConvs(nn.Module):
+    """Two convolutions of one kind (grouped, padded, 1d, 3d, transposed), averaged over positions.
+
+    No Linear layer: its rotated diagonal would share the "mc" draws of the sweep that the
+    convolutions take now, and the rows path draws again (another sample of the same Fisher).
+    """
+
+    LAYERS = {
+        "groups": lambda: (
+            nn.Conv2d(4, 6, 3, groups=2, padding=1, stride=2),
+            nn.Conv2d(6, 3, 2, groups=3, bias=False, dilation=2),
+        ),
+        "padding": lambda: (
+            nn.Conv2d(4, 5, 3, padding="same", padding_mode="reflect"),
+            nn.Conv2d(5, 3, (2, 3), stride=(2, 1), padding=1, padding_mode="circular"),
+        ),
+        "1d": lambda: (nn.Conv1d(4, 5, 3, padding=2), nn.Conv1d(5, 3, 2, stride=2)),
+        "3d": lambda: (nn.Conv3d(4, 5, 2), nn.Conv3d(5, 3, (1, 2, 2), padding=1)),
+        "transposed": lambda: (
+            nn.ConvTranspose2d(4, 5, 3, stride=2, padding=1, output_padding=1),
+            nn.ConvTranspose2d(5, 3, 2, bias=False),
+        ),
+    }
+    INPUTS = {"1d": (4, 9), "3d": (4, 4, 5, 3)}
+
+    def __init__(self, kind):
+        super().__init__()
+        self.a, self.b = self.LAYERS[kind]()
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x))).flatten(2).mean(2)
+
+
+def conv_data(kind, n=5):
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(2 * n, *TwoConvs.INPUTS.get(kind, (4, 6, 7)), generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (2 * n,), generator=g)
+    return [(X[:n], y[:n]), (X[n:], y[n:])]
+
+
+def rows_path(monkeypatch, build):
+    """`build()` with every convolution block on the rows path (the reference)."""
+    import backpack.curvature.ekfac as ekfac_module
+
+    with monkeypatch.context() as m:
+        m.setattr(ekfac_module, "_conv_targets", lambda *args: {})
+        return build()
+
+
+@pytest.mark.parametrize("fisher", ["type-2", "mc", "empirical"])
+@pytest.mark.parametrize("kind", list(TwoConvs.LAYERS))
+def test_conv_eigenvalues_without_rows_match_the_rows(kind, fisher, monkeypatch):
+    """Convolutions' corrected eigenvalues from rotated factors (each way of rotating, both
+    factor conventions) equal the rotated rows' (float64), and need no rows sweep."""
+    import backpack.curvature._conv_eigen as conv_eigen
+    import backpack.curvature.ekfac as ekfac_module
+
+    torch.manual_seed(0)
+    model = TwoConvs(kind).double()
+    data = conv_data(kind)
+    lossfunc = nn.CrossEntropyLoss()
+    chosen = conv_eigen.plan
+    sides = ["after"] if kind == "groups" else ["before", "after"]
+    ways = [{"g": g, "a": a, "native": False} for g in sides for a in ("before", "after")]
+    if kind == "transposed":
+        ways.append({"g": "after", "a": "after", "native": True})
+    for approx in ("expand", "reduce"):
+
+        def build(approx=approx):
+            return EKFAC(model, lossfunc, data, fisher, approx, mc_samples=2, seed=3)
+
+        reference = rows_path(monkeypatch, build)
+        for way in ways:
+            with monkeypatch.context() as m:
+                m.setattr(conv_eigen, "plan", lambda *args, way=way: {**chosen(*args), **way})
+                m.setattr(ekfac_module, "row_batches", None)  # no rows sweep is left
+                op = build()
+            for a, b in zip(op.blocks, reference.blocks):
+                close(a.values, b.values, atol=1e-14)
+
+
+class SharedConv(nn.Module):
+    """One convolution called twice per forward: its gradient sums both calls (rows path)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 2, padding=1)
+        self.other = nn.Conv2d(2, 1, 2)
+        self.head = nn.Linear(1, 3)
+
+    def forward(self, x):
+        h = self.conv(torch.tanh(self.conv(x)))
+        return self.head(self.other(h).flatten(2).mean(2))
+
+
+@pytest.mark.parametrize("fisher", ["type-2", "empirical"])
+def test_conv_called_twice_takes_the_rows(fisher, monkeypatch):
+    torch.manual_seed(0)
+    model = SharedConv().double()
+    X, y = torch.randn(7, 2, 4, 4, dtype=torch.float64), torch.randint(0, 3, (7,))
+    data = [(X[:4], y[:4]), (X[4:], y[4:])]
+    op = EKFAC(model, nn.CrossEntropyLoss(), data, fisher_type=fisher)
+    kfac = KFAC(model, nn.CrossEntropyLoss(), data, fisher_type=fisher)
+    problem = Problem("shared", SharedConv, lambda r: nn.CrossEntropyLoss(reduction=r), X, y)
+    ref = Reference(problem, model, "mean")
+    close(op.to_dense(), brute_force(kfac, ref, explicit(ref, fisher)))
+    reference = rows_path(monkeypatch, lambda: EKFAC(model, nn.CrossEntropyLoss(), data, fisher))
+    for a, b in zip(op.blocks, reference.blocks):
+        close(a.values, b.values, atol=1e-14)

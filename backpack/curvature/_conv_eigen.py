@@ -1,0 +1,246 @@
+"""Squares of convolution weight gradients in a Kronecker eigenbasis, without per-sample rows.
+
+EK-FAC's corrected eigenvalue of entry (i, j) of a convolution weight block with eigenbases
+`Q_G` (output channels) and `Q_A` (unfolded input, `D = C_in/groups · K`) is
+
+    Σ_{v,n} ( Σ_l (Q_Gᵀ f_vnl)_i (Q_Aᵀ u_nl)_j )²,
+
+f_vnl the factor column v of sample n at output position l (square-root GGN columns, sampled
+ones, or the output gradient), u_nl the unfolded input there. The rotation distributes over the
+sum over positions, so each side can be rotated before the per-sample gradients are formed
+(per position: `V N L C_out²` and `N L D²`) or after (per gradient: `V N C_out² D` and
+`V N C_out D²`); forming costs `V N L C_out D` either way. Rotating the rows, as `EigenBlock`
+does, is "after" on both sides. `weight_squares` picks the cheaper side by side, forms each
+chunk of samples' gradients with one batched product and squares it in place.
+
+The sweep that computes them is backpack's own diagonal extensions (`DiagGGNExact`,
+`DiagGGNMC`, `SumGradSquared`: they all reduce through the convolution rule's
+`diag_from_factor`): `eigenbasis_rules` lends each target module, for the duration of the sweep,
+a private subclass of its class (same forward) whose rule returns these squares in place of the
+plain diagonal. Bias blocks with a dense factor get `Σ (Q_Bᵀ Σ_l f_vnl)²` the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from backpack.core.derivatives import convnd
+from backpack.recording import SHAPE_ONLY_OUTPUTS
+from backpack.rules.base import register_rule
+from backpack.rules.conv import (
+    CONV_CLASSES,
+    ConvRule,
+    _input_and_factor,
+    _pair_grads,
+    _transposed_unfold,
+)
+
+#: the module attribute holding its `Bases` while it is a target
+_FIELD = "_ekfac_bases"
+#: elements a chunk of samples may occupy in one intermediate
+_CHUNK = {"cpu": 1 << 21}
+_CHUNK_OTHER = 1 << 24
+
+
+class Bases:
+    """Eigenbases of one convolution's blocks: `q_out`, `q_in` (weight), `q_bias` (or None)."""
+
+    def __init__(self, q_out: Tensor, q_in: Tensor, q_bias: Tensor | None) -> None:
+        self.q_out = q_out
+        self.q_in = q_in
+        self.q_bias = q_bias
+
+
+def plan(module: nn.Module, x: Tensor, f: Tensor) -> dict[str, Any]:
+    """Which way `weight_squares` goes for a call: `{"g", "a": "before" | "after", "native"}`.
+
+    Costs in multiply-adds (see the module docstring); "native" forms the rule's own per-pair
+    gradients and rotates them afterwards (for transposed convolutions, whose gradients the rule
+    forms over the input positions, fewer than the output positions used here).
+    """
+    v, n, c_out = f.shape[0], f.shape[1], f.shape[2]
+    positions = math.prod(f.shape[3:])
+    groups = module.groups
+    kernel = math.prod(module.kernel_size)
+    d = x.shape[1] * kernel if convnd.is_transposed(module) else x.shape[1] // groups * kernel
+    form = v * n * positions * c_out * d
+    g_costs = {"after": v * n * c_out * c_out * d}
+    if groups == 1:
+        g_costs["before"] = v * n * positions * c_out * c_out
+    a_costs = {"before": n * positions * d * d * groups, "after": v * n * c_out * d * d}
+    g = min(g_costs, key=g_costs.__getitem__)
+    a = min(a_costs, key=a_costs.__getitem__)
+    cost = form + g_costs[g] + a_costs[a]
+    native = False
+    if convnd.is_transposed(module):
+        native_cost = v * n * math.prod(x.shape[2:]) * c_out * d + g_costs["after"]
+        native = native_cost + a_costs["after"] < cost
+    return {"g": g, "a": a, "native": native, "d": d, "positions": positions}
+
+
+def weight_squares(
+    module: nn.Module, x: Tensor, f: Tensor, coef: Tensor | None, bases: Bases
+) -> Tensor:
+    """`Σ_{v,n} coef_vn (Q_Gᵀ ∇W_vn Q_A)²`, `[C_out, D]`, ∇W_vn the (column, sample) gradients.
+
+    `x` is the input `[N, C_in, *in]`, `f` the factor `[V, N, C_out, *out]`; the gradients are
+    in the block's coordinates (`weight.transpose(0, 1)` for transposed convolutions).
+    """
+    how = plan(module, x, f)
+    q_out, q_in = bases.q_out, bases.q_in
+    if how["native"]:
+        return _native_squares(module, x, f, coef, q_out, q_in)
+    v, n, c_out = f.shape[0], f.shape[1], f.shape[2]
+    groups, d, positions = module.groups, how["d"], how["positions"]
+    out_size = f.shape[3:]
+    per_sample = 2 * groups * d * positions + v * c_out * positions + 2 * v * c_out * d
+    budget = _CHUNK.get(x.device.type, _CHUNK_OTHER)
+    step = max(1, budget // max(1, per_sample))
+    total = f.new_zeros(c_out, d)
+    g_before, a_before = how["g"] == "before", how["a"] == "before"
+    for start in range(0, n, step):
+        ns = slice(start, min(n, start + step))
+        xs, fs = x[ns], f[:, ns]
+        m = xs.shape[0]
+        if convnd.is_transposed(module):
+            u = _transposed_unfold(module, xs, out_size).transpose(1, 2).unsqueeze(1)
+        else:  # [G D, m L] -> [m, G, L, D]
+            u = convnd.unfold_channels_first(module, xs, out_size)
+            u = u.reshape(groups, d, m, positions).permute(2, 0, 3, 1)
+        if a_before:
+            u = u @ q_in
+        s = fs.reshape(v, m, c_out, positions)
+        if g_before:
+            s = q_out.T @ s
+        # [V, m, G, a, L] -> [m, G, V a, L]: one batched product per sample and group
+        s = s.reshape(v, m, groups, c_out // groups, positions).permute(1, 2, 0, 3, 4)
+        grads = s.reshape(m, groups, -1, positions) @ u  # [m, G, V a, D]
+        if groups == 1:
+            grads = grads.reshape(m * v, c_out, d)
+        else:
+            grads = grads.reshape(m, groups, v, c_out // groups, d).transpose(1, 2)
+            grads = grads.reshape(m * v, c_out, d)
+        if not g_before:
+            grads = q_out.T @ grads
+        if not a_before:
+            grads = grads @ q_in
+        sq = grads.square_() if grads.is_contiguous() else grads.square()
+        if coef is not None:
+            sq = sq * coef[:, ns].T.reshape(m * v, 1, 1)
+        total += sq.sum(0)
+    return total
+
+
+def _native_squares(module, x, f, coef, q_out, q_in) -> Tensor:
+    """`weight_squares` from the rule's own (column, sample) gradients, rotated afterwards."""
+    transposed = convnd.is_transposed(module)
+    shape = module.weight.shape
+    total = None
+    for ns, vs, pairs in _pair_grads(module, x, f):
+        w = pairs.reshape(-1, *shape)
+        if transposed:
+            w = w.transpose(1, 2)
+        w = q_out.T @ w.reshape(w.shape[0], q_out.shape[0], -1) @ q_in
+        sq = w.square_()
+        if coef is not None:
+            sq = sq * coef[vs, ns].T.reshape(-1, 1, 1)
+        part = sq.sum(0)
+        total = part if total is None else total + part
+    return total
+
+
+class _EigenConvRule(ConvRule):
+    """A convolution whose diagonals are taken in its EK-FAC eigenbases (`Bases` on the module).
+
+    Only the reductions the correction sweep uses are defined; quantities that would need
+    per-sample gradients in those coordinates raise `NotImplementedError` (the sweep then falls
+    back to rotating rows).
+    """
+
+    def diag_from_factor(self, record, factors, names, coef, per_sample):  # noqa: D102
+        module = record.module
+        if per_sample:
+            raise NotImplementedError(f"EKFAC's eigenbasis diagonal of {module} is not per sample")
+        bases: Bases = getattr(module, _FIELD)
+        x, f = _input_and_factor(record, factors)
+        result = {}
+        if "weight" in names:
+            if f is None:
+                result["weight"] = torch.zeros_like(module.weight)
+            else:
+                squares = weight_squares(module, x, f, coef, bases)
+                result["weight"] = squares.reshape(module.weight.shape)
+        if "bias" in names:
+            if f is None:
+                result["bias"] = torch.zeros_like(module.bias)
+            else:
+                sums = f.sum(tuple(range(3, f.dim())))  # [V, N, C_out]
+                if bases.q_bias is not None:
+                    sums = sums @ bases.q_bias
+                sq = sums.square()
+                if coef is not None:
+                    sq = sq * coef.unsqueeze(-1)
+                result["bias"] = sq.sum((0, 1))
+        return result
+
+    def grad_sum_and_squares(self, record, grad_outputs, names):  # noqa: D102
+        return (
+            self.grad_sum(record, grad_outputs, names),
+            self.sum_grad_squared(record, grad_outputs, names),
+        )
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            "internal: EKFAC's eigenbasis convolution supports diagonals only (a module called "
+            "several times per forward?)"
+        )
+
+    per_sample_grads = _refuse
+    sqrt_factor = _refuse
+    batch_l2 = _refuse
+    batch_l2_and_sum = _refuse
+    batch_dot = _refuse
+    grad_sum_and_centred_squares = _refuse
+    kron_factors = _refuse
+
+
+#: convolution class -> its private eigenbasis subclass
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _subclass(cls: type) -> type:
+    sub = _SUBCLASSES.get(cls)
+    if sub is None:
+        sub = type(f"_EigenBasis{cls.__name__}", (cls,), {"__module__": __name__})
+        register_rule(sub)(_EigenConvRule)
+        SHAPE_ONLY_OUTPUTS.add(sub)
+        _SUBCLASSES[cls] = sub
+    return sub
+
+
+def is_target_class(module: nn.Module) -> bool:
+    """Whether `module` is exactly one of torch's convolution classes."""
+    return type(module) in CONV_CLASSES
+
+
+@contextmanager
+def eigenbasis_rules(targets: Mapping[nn.Module, Bases]):
+    """The target convolutions' diagonals in their eigenbases, for the duration of the block."""
+    swapped = []
+    try:
+        for module, bases in targets.items():
+            cls = type(module)
+            module.__class__ = _subclass(cls)
+            swapped.append((module, cls))
+            module.__dict__[_FIELD] = bases
+        yield
+    finally:
+        for module, cls in swapped:
+            module.__class__ = cls
+            module.__dict__.pop(_FIELD, None)
