@@ -493,6 +493,7 @@ MAIN: list[tuple[str, Callable]] = [
     ("streamed", streamed),
     ("operators-mlp_ce-mean", operators_case("mlp_ce", "mean")),
     ("operators-mlp_mse-sum", operators_case("mlp_mse", "sum")),
+    ("operators-cnn_ce-mean", operators_case("cnn_ce", "mean")),
     ("monte-carlo", monte_carlo),
     ("ddp-model", ddp_model),
     ("failing-rank", failing_rank),
