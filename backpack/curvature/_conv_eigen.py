@@ -43,79 +43,124 @@ from backpack.rules.conv import (
 
 #: the module attribute holding its `Bases` while it is a target
 _FIELD = "_ekfac_bases"
+#: the record entry caching a call's (rotated) unfolded input across chunks of columns
+_CACHE = "ekfac_unfolded"
+#: most elements of that cache (beyond it, each chunk of columns unfolds again)
+CACHE_ELEMENTS = 1 << 24
 #: elements a chunk of samples may occupy in one intermediate
 _CHUNK = {"cpu": 1 << 21}
 _CHUNK_OTHER = 1 << 24
 
 
 class Bases:
-    """Eigenbases of one convolution's blocks: `q_out`, `q_in` (weight), `q_bias` (or None)."""
+    """Eigenbases of one convolution's blocks, and the factor columns per sample to expect.
 
-    def __init__(self, q_out: Tensor, q_in: Tensor, q_bias: Tensor | None) -> None:
+    Attributes:
+        q_out: `Q_G` of the weight.
+        q_in: `Q_A` of the weight.
+        q_bias: The bias block's eigenbasis (None: no bias in the sweep).
+        columns: Factor columns per sample over a whole backward (the engine may hand them
+            over in chunks); only the choice of `plan` depends on it.
+    """
+
+    def __init__(
+        self, q_out: Tensor, q_in: Tensor, q_bias: Tensor | None, columns: int = 1
+    ) -> None:
         self.q_out = q_out
         self.q_in = q_in
         self.q_bias = q_bias
+        self.columns = columns
 
 
-def plan(module: nn.Module, x: Tensor, f: Tensor) -> dict[str, Any]:
+def plan(module: nn.Module, x: Tensor, f: Tensor, columns: int = 1) -> dict[str, Any]:
     """Which way `weight_squares` goes for a call: `{"g", "a": "before" | "after", "native"}`.
 
-    Costs in multiply-adds (see the module docstring); "native" forms the rule's own per-pair
-    gradients and rotates them afterwards (for transposed convolutions, whose gradients the rule
-    forms over the input positions, fewer than the output positions used here).
+    Costs in multiply-adds over the call's `columns` (at least `f`'s) factor columns, see the
+    module docstring; rotating the input "before" is paid once per call where the rotated input
+    is cached (`CACHE_ELEMENTS`), else once per chunk of columns. "native" forms the rule's own
+    per-pair gradients and rotates them afterwards (for transposed convolutions, whose gradients
+    the rule forms over the input positions, fewer than the output positions used here).
     """
     v, n, c_out = f.shape[0], f.shape[1], f.shape[2]
+    total = max(v, columns)
     positions = math.prod(f.shape[3:])
     groups = module.groups
     kernel = math.prod(module.kernel_size)
     d = x.shape[1] * kernel if convnd.is_transposed(module) else x.shape[1] // groups * kernel
-    form = v * n * positions * c_out * d
-    g_costs = {"after": v * n * c_out * c_out * d}
+    cache = n * groups * positions * d <= CACHE_ELEMENTS
+    form = total * n * positions * c_out * d
+    g_costs = {"after": total * n * c_out * c_out * d}
     if groups == 1:
-        g_costs["before"] = v * n * positions * c_out * c_out
-    a_costs = {"before": n * positions * d * d * groups, "after": v * n * c_out * d * d}
+        g_costs["before"] = total * n * positions * c_out * c_out
+    rotate_input = n * positions * d * d * groups
+    a_costs = {
+        "before": rotate_input if cache else rotate_input * -(-total // v),
+        "after": total * n * c_out * d * d,
+    }
     g = min(g_costs, key=g_costs.__getitem__)
     a = min(a_costs, key=a_costs.__getitem__)
     cost = form + g_costs[g] + a_costs[a]
     native = False
     if convnd.is_transposed(module):
-        native_cost = v * n * math.prod(x.shape[2:]) * c_out * d + g_costs["after"]
+        native_cost = total * n * math.prod(x.shape[2:]) * c_out * d + g_costs["after"]
         native = native_cost + a_costs["after"] < cost
-    return {"g": g, "a": a, "native": native, "d": d, "positions": positions}
+    return {"g": g, "a": a, "native": native, "d": d, "positions": positions, "cache": cache}
+
+
+def _unfolded(module: nn.Module, x: Tensor, out_size, groups: int, d: int) -> Tensor:
+    """`[N, G, L, D]`: the unfolded input of each sample and group, positions by features."""
+    if convnd.is_transposed(module):
+        return _transposed_unfold(module, x, out_size).transpose(1, 2).unsqueeze(1)
+    u = convnd.unfold_channels_first(module, x, out_size)  # [G D, N L]
+    return u.reshape(groups, d, x.shape[0], -1).permute(2, 0, 3, 1)
 
 
 def weight_squares(
-    module: nn.Module, x: Tensor, f: Tensor, coef: Tensor | None, bases: Bases
+    module: nn.Module,
+    x: Tensor,
+    f: Tensor,
+    coef: Tensor | None,
+    bases: Bases,
+    cache: dict[str, Any] | None = None,
 ) -> Tensor:
     """`Σ_{v,n} coef_vn (Q_Gᵀ ∇W_vn Q_A)²`, `[C_out, D]`, ∇W_vn the (column, sample) gradients.
 
     `x` is the input `[N, C_in, *in]`, `f` the factor `[V, N, C_out, *out]`; the gradients are
-    in the block's coordinates (`weight.transpose(0, 1)` for transposed convolutions).
+    in the block's coordinates (`weight.transpose(0, 1)` for transposed convolutions). `cache`
+    (the call's record's `extra`) keeps the (rotated) unfolded input for the next chunk of
+    columns of the same call.
     """
-    how = plan(module, x, f)
+    how = plan(module, x, f, bases.columns)
     q_out, q_in = bases.q_out, bases.q_in
     if how["native"]:
         return _native_squares(module, x, f, coef, q_out, q_in)
     v, n, c_out = f.shape[0], f.shape[1], f.shape[2]
     groups, d, positions = module.groups, how["d"], how["positions"]
     out_size = f.shape[3:]
+    g_before, a_before = how["g"] == "before", how["a"] == "before"
+    unfolded = None
+    if how["cache"]:
+        key = (_CACHE, a_before)
+        unfolded = None if cache is None else cache.get(key)
+        if unfolded is None:
+            unfolded = _unfolded(module, x, out_size, groups, d)
+            unfolded = (unfolded @ q_in) if a_before else unfolded.contiguous()
+            if cache is not None:
+                cache[key] = unfolded
     per_sample = 2 * groups * d * positions + v * c_out * positions + 2 * v * c_out * d
     budget = _CHUNK.get(x.device.type, _CHUNK_OTHER)
     step = max(1, budget // max(1, per_sample))
     total = f.new_zeros(c_out, d)
-    g_before, a_before = how["g"] == "before", how["a"] == "before"
     for start in range(0, n, step):
         ns = slice(start, min(n, start + step))
-        xs, fs = x[ns], f[:, ns]
-        m = xs.shape[0]
-        if convnd.is_transposed(module):
-            u = _transposed_unfold(module, xs, out_size).transpose(1, 2).unsqueeze(1)
-        else:  # [G D, m L] -> [m, G, L, D]
-            u = convnd.unfold_channels_first(module, xs, out_size)
-            u = u.reshape(groups, d, m, positions).permute(2, 0, 3, 1)
-        if a_before:
-            u = u @ q_in
-        s = fs.reshape(v, m, c_out, positions)
+        m = ns.stop - ns.start
+        if unfolded is not None:
+            u = unfolded[ns]
+        else:
+            u = _unfolded(module, x[ns], out_size, groups, d)
+            if a_before:
+                u = u @ q_in
+        s = f[:, ns].reshape(v, m, c_out, positions)
         if g_before:
             s = q_out.T @ s
         # [V, m, G, a, L] -> [m, G, V a, L]: one batched product per sample and group
@@ -174,7 +219,7 @@ class _EigenConvRule(ConvRule):
             if f is None:
                 result["weight"] = torch.zeros_like(module.weight)
             else:
-                squares = weight_squares(module, x, f, coef, bases)
+                squares = weight_squares(module, x, f, coef, bases, record.extra)
                 result["weight"] = squares.reshape(module.weight.shape)
         if "bias" in names:
             if f is None:

@@ -302,11 +302,12 @@ def _conv_targets(
 
 def _first_batch(
     model: nn.Module, targets: Mapping[str, tuple[nn.Linear, EigenBlock]], convs: list, X: Any
-) -> tuple[bool, list[bool]]:
+) -> tuple[bool, list[bool], int]:
     """Checks on the first batch: the rotated model's output, each convolution's calls.
 
     Returns whether the rotated model computes the same output (no Linear weight used outside
-    its call), and whether each of `convs` is called exactly once per forward.
+    its call), whether each of `convs` is called exactly once per forward, and the number of
+    output entries per sample (what the exact loss-Hessian factor has columns).
     """
     buffers = [(b, b.clone()) for b in model.buffers()]
     calls: Counter = Counter()
@@ -325,12 +326,13 @@ def _first_batch(
         for handle in handles:
             handle.remove()
     once = [calls[id(m)] == 1 for m in convs]
+    width = plain[0].numel() if isinstance(plain, Tensor) and plain.dim() > 0 else 1
     if not targets:
-        return True, once
+        return True, once, width
     if not isinstance(plain, Tensor) or not isinstance(rotated, Tensor):
-        return False, once
+        return False, once, width
     scale = plain.abs().max().clamp_min(1.0)
-    return bool(((plain - rotated).abs().max() <= 1e-3 * scale).item()), once
+    return bool(((plain - rotated).abs().max() <= 1e-3 * scale).item()), once, width
 
 
 def _correct(
@@ -366,9 +368,12 @@ def _correct(
     exact = _exact_bias_blocks(model, blocks) if fisher_type == "type-2" else set()
     targets = _rotatable(model, blocks)
     convs = _conv_targets(model, blocks, exact)
+    columns = {"type-2": 1, "mc": mc_samples, "empirical": 1}[fisher_type]
     if targets or convs:
         first = next(iter(data))[0]
-        faithful, once = _first_batch(model, targets, list(convs), first)
+        faithful, once, width = _first_batch(model, targets, list(convs), first)
+        if fisher_type == "type-2":
+            columns = width
         if group is not None:  # the same path on every rank
             agreed = _dist.all_sum(group, [], [float(faithful), *map(float, once)], None, "EKFAC")
             faithful = agreed[0] == _dist.world_size(group)
@@ -377,7 +382,7 @@ def _correct(
             targets = {}
         convs = {m: pair for (m, pair), ok in zip(convs.items(), once) if ok}
     bases = {
-        module: Bases(*weight.vectors, bias.vectors[0] if bias is not None else None)
+        module: Bases(*weight.vectors, bias.vectors[0] if bias is not None else None, columns)
         for module, (weight, bias) in convs.items()
     }
     swept = {name: block for name, (_, block) in targets.items()}

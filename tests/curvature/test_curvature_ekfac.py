@@ -301,6 +301,7 @@ def test_conv_eigenvalues_without_rows_match_the_rows(kind, fisher, monkeypatch)
     chosen = conv_eigen.plan
     sides = ["after"] if kind == "groups" else ["before", "after"]
     ways = [{"g": g, "a": a, "native": False} for g in sides for a in ("before", "after")]
+    ways.append({"g": "after", "a": "before", "native": False, "cache": False})
     if kind == "transposed":
         ways.append({"g": "after", "a": "after", "native": True})
     for approx in ("expand", "reduce"):
