@@ -48,7 +48,7 @@ _CACHE = "ekfac_unfolded"
 #: most elements of that cache (beyond it, each chunk of columns unfolds again)
 CACHE_ELEMENTS = 1 << 24
 #: elements a chunk of samples may occupy in one intermediate
-_CHUNK = {"cpu": 1 << 21}
+_CHUNK = {"cpu": 1 << 22}
 _CHUNK_OTHER = 1 << 24
 
 
@@ -149,11 +149,16 @@ def weight_squares(
                 cache[key] = unfolded
     per_sample = 2 * groups * d * positions + v * c_out * positions + 2 * v * c_out * d
     budget = _CHUNK.get(x.device.type, _CHUNK_OTHER)
-    step = max(1, budget // max(1, per_sample))
-    total = f.new_zeros(c_out, d)
+    step = min(n, max(1, budget // max(1, per_sample)))
+    # two buffers for the chunk's gradients, reused (fresh large tensors would be paged in anew
+    # for every chunk)
+    pool = f.new_empty(2, step * v * c_out * d)
+    sums = f.new_empty(c_out * d)
+    total = f.new_zeros(c_out * d)
     for start in range(0, n, step):
         ns = slice(start, min(n, start + step))
         m = ns.stop - ns.start
+        rows = m * v
         if unfolded is not None:
             u = unfolded[ns]
         else:
@@ -165,20 +170,25 @@ def weight_squares(
             s = q_out.T @ s
         # [V, m, G, a, L] -> [m, G, V a, L]: one batched product per sample and group
         s = s.reshape(v, m, groups, c_out // groups, positions).permute(1, 2, 0, 3, 4)
-        grads = s.reshape(m, groups, -1, positions) @ u  # [m, G, V a, D]
-        if groups == 1:
-            grads = grads.reshape(m * v, c_out, d)
-        else:
-            grads = grads.reshape(m, groups, v, c_out // groups, d).transpose(1, 2)
-            grads = grads.reshape(m * v, c_out, d)
+        grads = pool[0, : rows * c_out * d].view(m, groups, -1, d)
+        torch.matmul(s.reshape(m, groups, -1, positions), u, out=grads)
+        free = 1
+        if groups > 1:  # [m, G, V, a, D] -> [m, V, G, a, D]
+            moved = pool[1, : rows * c_out * d].view(m, v, groups, c_out // groups, d)
+            moved.copy_(grads.view(m, groups, v, c_out // groups, d).transpose(1, 2))
+            grads, free = moved, 0
+        grads = grads.view(rows, c_out, d)
         if not g_before:
-            grads = q_out.T @ grads
+            grads = torch.matmul(q_out.T, grads, out=pool[free, : grads.numel()].view_as(grads))
+            free = 1 - free
         if not a_before:
-            grads = grads @ q_in
-        sq = grads.square_() if grads.is_contiguous() else grads.square()
+            grads = torch.matmul(grads, q_in, out=pool[free, : grads.numel()].view_as(grads))
+        grads.square_()
         if coef is not None:
-            sq = sq * coef[:, ns].T.reshape(m * v, 1, 1)
-        total += sq.sum(0)
+            grads.mul_(coef[:, ns].T.reshape(rows, 1, 1))
+        torch.sum(grads.view(rows, -1), 0, out=sums)
+        total += sums
+    return total.view(c_out, d)
     return total
 
 
