@@ -122,13 +122,15 @@ def weight_squares(
     coef: Tensor | None,
     bases: Bases,
     cache: dict[str, Any] | None = None,
+    gradient: list[Tensor] | None = None,
 ) -> Tensor:
     """`Σ_{v,n} coef_vn (Q_Gᵀ ∇W_vn Q_A)²`, `[C_out, D]`, ∇W_vn the (column, sample) gradients.
 
     `x` is the input `[N, C_in, *in]`, `f` the factor `[V, N, C_out, *out]`; the gradients are
     in the block's coordinates (`weight.transpose(0, 1)` for transposed convolutions). `cache`
     (the call's record's `extra`) keeps the (rotated) unfolded input for the next chunk of
-    columns of the same call.
+    columns of the same call. A list `gradient` gets `Σ_{v,n} Q_Gᵀ ∇W_vn Q_A` appended (the
+    sum of the rotated gradients, from the same chunks; not on the "native" way).
     """
     how = plan(module, x, f, bases.columns)
     q_out, q_in = bases.q_out, bases.q_in
@@ -155,6 +157,7 @@ def weight_squares(
     pool = f.new_empty(2, step * v * c_out * d)
     sums = f.new_empty(c_out * d)
     total = f.new_zeros(c_out * d)
+    summed = None if gradient is None else f.new_zeros(c_out * d)
     for start in range(0, n, step):
         ns = slice(start, min(n, start + step))
         m = ns.stop - ns.start
@@ -183,11 +186,15 @@ def weight_squares(
             free = 1 - free
         if not a_before:
             grads = torch.matmul(grads, q_in, out=pool[free, : grads.numel()].view_as(grads))
+        if summed is not None:
+            summed += grads.view(rows, -1).sum(0)
         grads.square_()
         if coef is not None:
             grads.mul_(coef[:, ns].T.reshape(rows, 1, 1))
         torch.sum(grads.view(rows, -1), 0, out=sums)
         total += sums
+    if gradient is not None:
+        gradient.append(summed.view(c_out, d))
     return total.view(c_out, d)
     return total
 
@@ -222,33 +229,46 @@ class _EigenConvRule(ConvRule):
         module = record.module
         if per_sample:
             raise NotImplementedError(f"EKFAC's eigenbasis diagonal of {module} is not per sample")
-        bases: Bases = getattr(module, _FIELD)
         x, f = _input_and_factor(record, factors)
+        if f is None:
+            return {name: torch.zeros_like(getattr(module, name)) for name in names}
+        return self._squares(record, x, f, names, coef, None)
+
+    def _squares(self, record, x, f, names, coef, sums: dict | None) -> dict[str, Tensor]:
+        """The diagonals in the eigenbases; the (plain) gradients into `sums` if given."""
+        module = record.module
+        bases: Bases = getattr(module, _FIELD)
         result = {}
         if "weight" in names:
-            if f is None:
-                result["weight"] = torch.zeros_like(module.weight)
-            else:
-                squares = weight_squares(module, x, f, coef, bases, record.extra)
-                result["weight"] = squares.reshape(module.weight.shape)
+            gradient: list[Tensor] | None = None if sums is None else []
+            squares = weight_squares(module, x, f, coef, bases, record.extra, gradient)
+            result["weight"] = squares.reshape(module.weight.shape)
+            if gradient:  # back from the eigenbases, in the weight's layout
+                plain = bases.q_out @ gradient[0] @ bases.q_in.T
+                if convnd.is_transposed(module):
+                    shape = module.weight.shape
+                    plain = plain.reshape(shape[1], shape[0], *shape[2:]).transpose(0, 1)
+                sums["weight"] = plain.reshape(module.weight.shape)
         if "bias" in names:
-            if f is None:
-                result["bias"] = torch.zeros_like(module.bias)
-            else:
-                sums = f.sum(tuple(range(3, f.dim())))  # [V, N, C_out]
-                if bases.q_bias is not None:
-                    sums = sums @ bases.q_bias
-                sq = sums.square()
-                if coef is not None:
-                    sq = sq * coef.unsqueeze(-1)
-                result["bias"] = sq.sum((0, 1))
+            totals = f.sum(tuple(range(3, f.dim())))  # [V, N, C_out]
+            if sums is not None:
+                sums["bias"] = totals.sum((0, 1))
+            if bases.q_bias is not None:
+                totals = totals @ bases.q_bias
+            sq = totals.square()
+            if coef is not None:
+                sq = sq * coef.unsqueeze(-1)
+            result["bias"] = sq.sum((0, 1))
         return result
 
     def grad_sum_and_squares(self, record, grad_outputs, names):  # noqa: D102
-        return (
-            self.grad_sum(record, grad_outputs, names),
-            self.sum_grad_squared(record, grad_outputs, names),
-        )
+        """(Σ_n g_n, the squares in the eigenbases), the sum from the same rotated chunks."""
+        x, f = _input_and_factor(record, (grad_outputs[0].unsqueeze(0),))
+        sums: dict[str, Tensor] = {}
+        squares = self._squares(record, x, f, names, None, sums)
+        if "weight" in names and "weight" not in sums:  # the "native" way
+            sums.update(self.grad_sum(record, grad_outputs, ["weight"]))
+        return sums, squares
 
     def _refuse(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(
