@@ -146,7 +146,7 @@ def weight_squares(
         unfolded = None if cache is None else cache.get(key)
         if unfolded is None:
             unfolded = _unfolded(module, x, out_size, groups, d)
-            unfolded = (unfolded @ q_in) if a_before else unfolded.contiguous()
+            unfolded = (unfolded @ q_in) if a_before else unfolded
             if cache is not None:
                 cache[key] = unfolded
     per_sample = 2 * groups * d * positions + v * c_out * positions + 2 * v * c_out * d
