@@ -196,7 +196,6 @@ def weight_squares(
     if gradient is not None:
         gradient.append(summed.view(c_out, d))
     return total.view(c_out, d)
-    return total
 
 
 def _native_squares(module, x, f, coef, q_out, q_in) -> Tensor:
