@@ -591,30 +591,9 @@ class Hessian(_DataOperator):
         self._check_model()
 
         def local() -> tuple[Tensor, float]:
-            # one backward through all kept graphs: Σ_b s_b H_b V with each batch's scale s_b
+            out = self._graph_product(kept.graphs, V)
             total = sum(graph.nu for graph in kept.graphs)
-            pairs = [
-                (graph.grads[i], self._scale(graph.nu), graph.names[i])
-                for graph in kept.graphs
-                for i in graph.live
-            ]
-            if not pairs:
-                return torch.zeros_like(V), total
-            names, params = self.names, kept.graphs[0].params
-
-            def column(tangents: dict[str, Tensor]) -> dict[str, Tensor]:
-                hv = torch.autograd.grad(
-                    [g for g, _, _ in pairs],
-                    params,
-                    [tangents[name] * scale for _, scale, name in pairs],
-                    retain_graph=True,
-                    allow_unused=True,
-                    materialize_grads=True,
-                )
-                return dict(zip(names, hv))
-
-            with torch.enable_grad():
-                return self._columns(V, _over_columns(column)), total
+            return (torch.zeros_like(V) if out is None else out), total
 
         out, total = self._global(local, torch.zeros_like(V))
         return out / total if self.reduction == "mean" else out
@@ -645,34 +624,33 @@ class Hessian(_DataOperator):
     def _batch_product(self, batch, V):  # noqa: D102
         kept = self._kept
         if kept is None or kept.graphs is None:
-            return self._graph_product(self._graph(batch), V)
-        with kept.counting(self.model):
             graph = self._graph(batch)
-        kept.add(graph)
-        return self._graph_product(graph, V)
+        else:
+            with kept.counting(self.model):
+                graph = self._graph(batch)
+            kept.add(graph)
+        return self._graph_product([graph], V), graph.nu
 
-    def _graph_product(self, graph: _Graph, V: Tensor) -> tuple[Tensor | None, float]:
-        """The batch's Hessian times V's columns, through its gradient's graph."""
-        names, params, grads, live = graph.names, graph.params, graph.grads, graph.live
-        if not grads:
-            return None, graph.nu
+    def _graph_product(self, graphs: list[_Graph], V: Tensor) -> Tensor | None:
+        """`Σ_b s_b H_b V` in one backward through the graphs' gradients (`s_b` the scale)."""
+        pairs = [(g.grads[i], self._scale(g.nu), g.names[i]) for g in graphs for i in g.live]
+        if not pairs:
+            return None
+        params = graphs[0].params
 
         def column(tangents: dict[str, Tensor]) -> dict[str, Tensor]:
-            if not live:
-                return {name: torch.zeros_like(tangents[name]) for name in names}
             hv = torch.autograd.grad(
-                [grads[i] for i in live],
+                [grad for grad, _, _ in pairs],
                 params,
-                [tangents[names[i]] for i in live],
+                [tangents[name] * scale for _, scale, name in pairs],
                 retain_graph=True,
                 allow_unused=True,
                 materialize_grads=True,
             )
-            return dict(zip(names, hv))
+            return dict(zip(self.names, hv))
 
         with torch.enable_grad():
-            out = self._columns(V, _over_columns(column))
-        return out * self._scale(graph.nu), graph.nu
+            return self._columns(V, _over_columns(column))
 
     def diagonal(self) -> Tensor:
         """The exact diagonal (`DiagHessian` over the data, or Hessian-vector products)."""
