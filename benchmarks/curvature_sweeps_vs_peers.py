@@ -28,13 +28,11 @@ it prints a note and exits 0):
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,6 +43,7 @@ from backpack.curvature import EKFAC, GGN, KFAC, Hessian, eigvalsh
 from backpack.extensions import KFLR
 from benchmarks import curvature_vs_peers, problems
 from benchmarks.curvature_vs_peers import peers_available
+from benchmarks.report import finish, report_parser
 from benchmarks.run import peak_extra_bytes
 
 FIT_PROBLEMS = ("mlp", "3c3d", "allcnnc_small", "resnet_small")
@@ -243,13 +242,7 @@ def memory_rows(name: str, tiny: bool) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run every section; print (and with `--out` write) the markdown report."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="small sizes (smoke test)")
-    parser.add_argument("--repeats", type=int, default=3)
-    # one thread: process CPU time counts the busy-waiting of idle OpenMP threads otherwise,
-    # which grows with the other jobs on a shared machine
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", default=None, help="write the markdown here")
+    parser = report_parser(__doc__)
     parser.add_argument(
         "--sections",
         nargs="+",
@@ -327,11 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for name in (("mlp",) if args.tiny else ("mlp", "3c3d")) if "memory" in args.sections else ():
         emit(memory_rows(name, args.tiny))
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        Path(args.out).write_text(text)
-    print(text)
-    return 0
+    return finish(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -20,13 +20,11 @@ a list of equal batches (the data-set loss is the mean over all examples in both
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -40,6 +38,7 @@ from backpack.curvature import (
     eigvalsh,
     hutchinson_trace,
 )
+from benchmarks.report import finish, report_parser
 
 PEERS = ("curvlinops", "pyhessian")
 
@@ -251,11 +250,7 @@ def spectrum_rows(name: str, n: int, batch: int, repeats: int) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="small sizes (smoke test)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=None, help="write the markdown here")
+    parser = report_parser(__doc__, threads=2)
     parser.add_argument(
         "--only",
         nargs="+",
@@ -312,11 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         for row in spectrum_rows(name, n, batch, 1):  # PyHessian is slow: one paired run
             print(row, flush=True)
             lines.append(row)
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        Path(args.out).write_text(text)
-    print(text)
-    return 0
+    return finish(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ Definitions, and how kronfluence's numbers map onto ours (see benchmarks/README.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import importlib.util
 import math
@@ -33,7 +32,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from backpack.influence import fit
+from benchmarks.report import finish, report_parser
 
 STRATEGIES = ("identity", "diagonal", "kfac", "ekfac")
 
@@ -411,13 +410,7 @@ def factored_vs_dense(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="small sizes (smoke test)")
-    parser.add_argument("--repeats", type=int, default=3)
-    # one thread: process CPU time counts the busy-waiting of idle OpenMP threads otherwise,
-    # which grows with the other jobs on a shared machine
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", default=None, help="write the markdown here")
+    parser = report_parser(__doc__)
     parser.add_argument(
         "--clock", choices=("cpu", "wall"), default="cpu", help="time measure of the time rows"
     )
@@ -511,11 +504,7 @@ def main(argv: list[str] | None = None) -> int:
             print(row, flush=True)
             lines.append(row)
     if "gpt" not in args.sections:
-        text = "\n".join(lines) + "\n"
-        if args.out:
-            Path(args.out).write_text(text)
-        print(text)
-        return 0
+        return finish(lines, args.out)
     linear, total = coverage()
     p_full, seconds = gpt_full_ekfac(n_acc, batch)
     lines += [
@@ -542,11 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for strategy, n_query, t_ratio, m_ratio in factored_vs_dense():
         lines.append(f"| {strategy} | {n_query} | {t_ratio:.2f} | {m_ratio:.2f} |")
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        Path(args.out).write_text(text)
-    print(text)
-    return 0
+    return finish(lines, args.out)
 
 
 if __name__ == "__main__":

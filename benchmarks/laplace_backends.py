@@ -20,14 +20,12 @@ of `--repeats` runs after a warm-up, backends interleaved; the ratio is each bac
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import statistics
 import sys
 import time
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +33,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from backpack import tour
+from benchmarks.report import finish, report_parser
 
 
 def available() -> bool:
@@ -125,12 +124,8 @@ def rows(name: str, structure: str, batches: int, repeats: int, tiny: bool) -> l
 
 def main(argv: list[str] | None = None) -> int:
     """Print (and with `--out` write) the markdown report."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="small sizes (smoke test)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = report_parser(__doc__, threads=2)
     parser.add_argument("--batches", type=int, default=10)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=None, help="write the markdown here")
     args = parser.parse_args(argv)
     if not available():
         print("laplace-torch is not installed (see docs/laplace.md).")
@@ -155,11 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             for row in rows(name, structure, batches, args.repeats, args.tiny):
                 print(row, flush=True)
                 lines.append(row)
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        Path(args.out).write_text(text)
-    print(text)
-    return 0
+    return finish(lines, args.out)
 
 
 if __name__ == "__main__":
