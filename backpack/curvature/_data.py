@@ -14,6 +14,7 @@ end.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -218,14 +219,16 @@ def sweep(
 def fingerprint(model: nn.Module) -> tuple:
     """A cheap digest of the model's parameters (names, shapes, three weighted sums of values).
 
-    Two sweeps can only be merged when their models had equal fingerprints.
+    Two sweeps can only be merged when their models had equal fingerprints. Of a parameter
+    sharded with FSDP2 (a DTensor) the values are this rank's shard (no collective).
     """
-    digest = []
+    entries = []
     with torch.no_grad():
         for name, p in model.named_parameters():
-            flat = p.detach().flatten().to(torch.float64)
+            local = p.to_local() if hasattr(p, "to_local") else p
+            flat = local.detach().flatten().to(torch.float64)
             weights = (torch.arange(flat.numel(), device=flat.device) % 97 + 1).to(flat)
-            digest.append(
+            entries.append(
                 (
                     name,
                     tuple(p.shape),
@@ -235,7 +238,12 @@ def fingerprint(model: nn.Module) -> tuple:
                     float((flat * weights).sum()),
                 )
             )
-    return tuple(digest)
+    return tuple(entries)
+
+
+def digest(obj: Any) -> float:
+    """A 32-bit checksum of `repr(obj)` (exact in float64)."""
+    return float(zlib.crc32(repr(obj).encode()))
 
 
 def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

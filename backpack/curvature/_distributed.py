@@ -21,7 +21,6 @@ interleave with DDP's.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -31,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from backpack import distributed as _dist
+from backpack.curvature._data import digest
 from backpack.curvature._fsdp import is_fully_sharded, refuse
 from backpack.curvature._quantities import Rows, VarianceKind
 
@@ -92,11 +92,6 @@ def rank_of(group: Any) -> int:
 def world_size(group: Any) -> int:
     """The number of ranks in `group` (1 without one)."""
     return 1 if group is None else dist.get_world_size(group)
-
-
-def digest(obj: Any) -> float:
-    """A 32-bit checksum of `repr(obj)` (exact in float64)."""
-    return float(zlib.crc32(repr(obj).encode()))
 
 
 def _failed(group: Any, flags: Tensor, own: BaseException | None, what: str) -> None:

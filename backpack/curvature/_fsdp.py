@@ -35,7 +35,15 @@ from torch import Tensor, nn
 
 from backpack import distributed as _dist
 from backpack.api import backpack, extend
-from backpack.curvature._data import Normaliser, batch_normaliser, reduction_of, sweep, trainable
+from backpack.curvature._data import (
+    Normaliser,
+    batch_normaliser,
+    digest,
+    fingerprint,
+    reduction_of,
+    sweep,
+    trainable,
+)
 from backpack.curvature._quantities import BatchScale, Kind, Rows, Summed, VarianceKind
 from backpack.extensions.backprop_extension import BackpropExtension
 
@@ -174,27 +182,6 @@ def check_kinds(kinds: dict[str, Kind], callback: Any) -> None:
         )
 
 
-def fingerprint(model: nn.Module) -> tuple:
-    """A digest of this rank's shards of the parameters (no collective)."""
-    digest = []
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
-            flat = local.detach().flatten().to(torch.float64)
-            weights = (torch.arange(flat.numel(), device=flat.device) % 97 + 1).to(flat)
-            digest.append(
-                (
-                    name,
-                    tuple(p.shape),
-                    tuple(local.shape),
-                    p.requires_grad,
-                    float(flat.sum()),
-                    float((flat * weights).sum()),
-                )
-            )
-    return tuple(digest)
-
-
 def _gather(group: Any, values: list[float], what: str) -> Tensor:
     """All-gather a few float64 numbers per rank: a `[world, len(values)]` table."""
     device = _dist._header_device(group)
@@ -300,7 +287,7 @@ def sharded_sweep(
     world = dist.get_world_size(group)
     before = fingerprint(model)
     saved_grads = [s.param.grad for s in params]
-    setup = _digest((reduction, list(kinds), [type(e).__name__ for e in extensions]))
+    setup = digest((reduction, list(kinds), [type(e).__name__ for e in extensions]))
     grads: dict[int, Tensor] = {}  # id(unsharded parameter) -> this batch's local gradient
     hooked: dict[int, Any] = {}
     states: dict[str, dict[str, Any]] = {f: dict.fromkeys(names) for f in kinds}
@@ -408,12 +395,6 @@ def sharded_sweep(
         "ranks": world,
         "sharded": True,
     }
-
-
-def _digest(obj: Any) -> float:
-    import zlib
-
-    return float(zlib.crc32(repr(obj).encode()))
 
 
 def _take(params: list[_Shard], kinds, grads, skip: bool) -> dict[str, dict[str, Any]]:

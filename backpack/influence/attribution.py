@@ -26,11 +26,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from backpack.curvature._data import Normaliser, reduction_of, trainable
+from backpack.curvature._data import Normaliser, digest, reduction_of, trainable
 from backpack.curvature._distributed import (
     all_sum,
     check_not_fully_sharded,
-    digest,
     guarded,
     process_group,
     rank_of,
