@@ -66,6 +66,14 @@ def check(name: str, strategy: str, fisher: str, rank: int, world: int) -> None:
             rtol=1e-8,
             atol=1e-10,
         )
+        # different query data on one rank: every rank raises instead of mixing matrices
+        mine = query[:1] if rank == 0 else query
+        try:
+            ours.scores(mine, local, gather=True)
+        except RuntimeError as err:
+            assert "other dimensions" in str(err), err
+        else:
+            raise AssertionError("mismatched gathers were not refused")
 
 
 #: `(label, check(rank, world))` of every case
