@@ -154,11 +154,14 @@ class _BackwardRoots:
         if engine is None or original is None:
             return (original or _TORCH_BACKWARD)(tensors, *args, **kwargs)
         roots = [tensors] if isinstance(tensors, Tensor) else list(tensors)
-        handles = engine.start_backward(roots)
+        arguments = _backward_arguments(args, kwargs)
+        implicit = arguments is not None and all(
+            arguments.get(k) is None for k in ("grad_tensors", "grad_variables")
+        )
+        handles = engine.start_backward(roots, implicit)
         derived: list[Tensor] | None = None
         succeeded = False
         try:
-            arguments = _backward_arguments(args, kwargs)
             found = None if arguments is None else engine.plan_grads_from_samples(roots, arguments)
             if found is not None:
                 requested, derived = found

@@ -178,11 +178,15 @@ class Engine:
         finally:
             self.reset()
 
-    def start_backward(self, roots: list[Tensor]) -> list[Any]:
+    def start_backward(self, roots: list[Tensor], implicit_grad: bool = False) -> list[Any]:
         """Before a `backward()` from `roots` runs: find the losses called as functions.
 
+        `implicit_grad`: the roots' gradient is autograd's implicit 1 (no `grad_tensors`).
         Returns the pre-hooks installed on their nodes (the caller removes them afterwards).
         """
+        self.state.unit_roots = (
+            tuple(r.grad_fn for r in roots if r.grad_fn is not None) if implicit_grad else ()
+        )
         self._functional, linears, self._root_losses = find_functional_calls(roots)
         handles = []
         for record, node in self._functional:
@@ -198,6 +202,7 @@ class Engine:
 
     def end_backward(self) -> None:
         """After a `backward()` returned (or raised)."""
+        self.state.unit_roots = ()
         self._functional = []
         self._root_losses = None
         for record in self._functional_linears:

@@ -940,9 +940,10 @@ def _record_single(
         if isinstance(a, Tensor):
             versions.append(a._version)
             if a is output:
-                # in place: kept detached (the graph would otherwise own itself)
+                # in place: kept detached (the graph would otherwise own itself); the same
+                # alias serves as the output below
                 inplace = True
-                a = a.detach()
+                a = detached_output = a.detach()
                 edges.append(None)
             elif a.requires_grad:
                 kept_needs_grad = True
@@ -962,7 +963,10 @@ def _record_single(
     shape_only = (
         cls in SHAPE_ONLY_OUTPUTS and not inplace and output.numel() >= SHAPE_ONLY_MIN_ELEMENTS
     )
-    structure = _shape_only(output) if shape_only else output.detach()
+    if shape_only:
+        structure = _shape_only(output)
+    else:
+        structure = detached_output if inplace else output.detach()
     producer = None
     if cls in IDEMPOTENT_ACTIVATIONS and len(args) == 1 and not inplace:
         producer = _shape_only_producer(args[0])

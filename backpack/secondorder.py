@@ -348,7 +348,10 @@ def on_loss_backward(
             f"{names} {'needs' if len(curvature) == 1 else 'need'} a scalar loss "
             f"({describe(module)} has reduction='none'?)."
         )
-    scale_value = float(scale) if scalar else 1.0
+    if scalar and torch._C._current_autograd_node() in state.unit_roots:
+        scale_value = 1.0  # the root's implicit gradient: reading it would stall a GPU
+    else:
+        scale_value = float(scale) if scalar else 1.0
     sign = -1.0 if scale_value < 0 else 1.0
     weight = abs(scale_value)
     state.loss_seen = True
@@ -733,6 +736,9 @@ def rows_within_samples(
     sizes = {r.outputs[i].shape[_sample_axis(r, i)] for r, i, _ in nearest}
     if sizes == {rows}:
         return None
+    flattened = _flattened_rows(edge, nearest, out)
+    if flattened is not None:
+        return flattened
     base = {torch.float16: 2048, torch.bfloat16: 256}.get(out.dtype, 2**24)
     digits = max(1, math.ceil(math.log(rows + 1, base)))
     ids = torch.arange(1, rows + 1, device=out.device)
@@ -772,6 +778,42 @@ def rows_within_samples(
     slot = torch.empty_like(owner)
     slot[order] = torch.arange(rows, device=owner.device) - start
     return slot, int(slot.max()) + 1
+
+
+#: autograd nodes that keep the row-major order of their input's entries
+_ORDER_KEEPING = ("View", "ReshapeAlias", "UnsafeView", "Clone", "Squeeze", "Unsqueeze", "Alias")
+
+
+def _flattened_rows(
+    edge: GradientEdge, nearest: list[tuple[Record, int, GradientEdge]], out: Tensor
+) -> tuple[Tensor, int] | None:
+    """Slots of the rows of `out` read off the graph's structure, without probing values.
+
+    When a single module output `[N, ...]` (samples first) reaches the loss only through
+    reshaping nodes that keep the entries' row-major order (`logits.view(-1, C)` of
+    `[N, T, C]`) and `out` has a multiple of N rows, row r belongs to sample r // (rows / N)
+    at slot r % (rows / N). None when the structure says less (then the probe decides).
+    """
+    if len(nearest) != 1:
+        return None
+    target, index, _ = nearest[0]
+    if _sample_axis(target, index) != 0:
+        return None
+    node = edge.node
+    while not records_at(node):
+        if not node.name().startswith(_ORDER_KEEPING):
+            return None
+        following = [n for n, _ in node.next_functions if n is not None]
+        if len(following) != 1:
+            return None
+        node = following[0]
+    rows, n = out.shape[0], target.outputs[index].shape[0]
+    if node is not nearest[0][2].node or target.outputs[index].numel() != out.numel():
+        return None
+    if n == 0 or rows % n:
+        return None
+    slots = rows // n
+    return torch.arange(rows, device=out.device) % slots, slots
 
 
 def _unmappable(record: Record) -> None:

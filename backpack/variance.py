@@ -21,6 +21,8 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
+from backpack.core import device
+
 
 def centred_squares(psg: Tensor, overwrite: bool = False) -> tuple[Tensor, Tensor]:
     """(Σ_n g_n, Σ_n (g_n − ḡ)²) of per-sample gradients `[N, *S]`, in two passes.
@@ -118,7 +120,7 @@ def outer_centred_squares(
     squares = d.square().T @ x.square()
     m2 = torch.addcmul(squares, total, total, value=-1.0 / n)
     flagged = squares > m2 * CANCELLATION_LIMIT
-    if not bool(flagged.any()):
+    if not device.host_bool(flagged.any()):
         return total, m2
     if flagged.sum() > SHIFT_SHARE * flagged.numel():
         _, shifted, unsure = shifted_outer_squares(d, x, total)

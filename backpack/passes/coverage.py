@@ -140,17 +140,20 @@ class _Coverage:
         return True
 
 
-#: id(parameter) -> backward passes that met it (entries die with their parameter)
+#: id(object) -> backward passes that met it (entries die with their object)
 _PASSES: dict[int, int] = {}
 
 
-def _due_for_check(param: Tensor) -> bool:
-    """Coverage schedule: the first 4 passes that meet a parameter, then every 16th."""
-    key = id(param)
+def due_for_check(obj: Any) -> bool:
+    """Whether a check that reads values on the host (a GPU waits for it) runs in this pass.
+
+    The first 4 passes that meet `obj` (a parameter, a module) are checked, then every 16th.
+    """
+    key = id(obj)
     seen = _PASSES.get(key)
     if seen is None:
         seen = 0
-        weakref.finalize(param, _PASSES.pop, key, None)
+        weakref.finalize(obj, _PASSES.pop, key, None)
     _PASSES[key] = seen + 1
     return seen < 4 or seen % 16 == 0
 
@@ -179,7 +182,7 @@ def cover(
         coverage = state.coverage[id(param)] = _Coverage(
             param, name, record.module, rule, scale, pass_scale
         )
-        coverage.active = always or _due_for_check(param)
+        coverage.active = always or due_for_check(param)
         if coverage.active:
             fields = [e.savefield for e in state.extensions]
 

@@ -16,9 +16,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from backpack.core import device
 from backpack.extensions.backprop_extension import FAIL_ERROR, FAIL_SILENT, BackpropExtension
 from backpack.extensions.firstorder.base import FirstOrderBackpropExtension
-from backpack.passes.coverage import cover
+from backpack.passes.coverage import cover, due_for_check
 from backpack.passes.state import (
     BackwardState,
     mixing_message,
@@ -193,7 +194,7 @@ def variance_waits_for_grad(param: Tensor, samples: int) -> bool:
     times the parameter's size); on GPUs the check's small kernels and host syncs cost more
     than the GEMM (measured on an H100), so there the rule computes it.
     """
-    return param.device.type == "cpu" and samples * param.numel() >= VARIANCE_WAIT_MIN_WORK
+    return device.kind(param) == "cpu" and samples * param.numel() >= VARIANCE_WAIT_MIN_WORK
 
 
 def _variance_given_sum(quantities: _Quantities, name: str, grad_sum: Tensor | None) -> Tensor:
@@ -327,7 +328,7 @@ def _first_order_quantities(
             acc = state.accumulators[id(p)] = _Accumulator(p, uses)
         psg = rule.per_sample_grads(record, grads, [name])[name]
         acc.add(psg, placement, record)
-        cover(state, record, grads, rule, name, p, psg, always=True)
+        cover(state, record, grads, rule, name, p, psg)
         if acc.seen >= acc.expected:
             finalize_accumulator(state, acc)
     return any(id(p) in state.accumulators for p in params.values())
@@ -449,7 +450,7 @@ def finish_param_sites(state: BackwardState) -> None:
                 continue  # the parameter's gradient was not computed in this pass
             shares = site.per_sample()
             total = site.total
-            if shares is not None:
+            if shares is not None and due_for_check(record.module):  # host reads: scheduled
                 summed = shares.sum(0).to(total)
                 scale = float(total.abs().max()) if total.numel() else 0.0
                 tol = 1e-2 if total.dtype in (torch.float16, torch.bfloat16) else 1e-5
@@ -481,7 +482,8 @@ def add_derived(state: BackwardState, param: Tensor, gradient: Tensor) -> None:
     sums = state.derived_sums
     if sums is None or id(param) not in sums:
         return
-    gradient = gradient.detach()
+    if gradient.requires_grad:
+        gradient = gradient.detach()
     previous = sums[id(param)]
     sums[id(param)] = gradient if previous is None else previous + gradient
 

@@ -121,6 +121,9 @@ class BackwardState:
         self.layout = NO_LAYOUT
         #: id(parameter) -> its coverage check in this pass (`coverage._Coverage`)
         self.coverage: dict[int, Any] = {}
+        #: autograd nodes of the running `backward()`'s roots whose gradient is autograd's
+        #: implicit 1 (a loss there enters with weight 1: no need to read it from the device)
+        self.unit_roots: tuple[Any, ...] = ()
         self.reset()
 
     def reset(self) -> None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from backpack.passes.coverage import due_for_check
 from backpack.passes.state import GENERIC_RULE
 from backpack.recording import Record, describe, promote_half, trainable_params
 from backpack.rules import find_rule
@@ -130,25 +131,31 @@ def view_for_rules(
                 # 16-bit gradients (bf16 weights, autocast) sum in another order than autograd's
                 half = per_sample.dtype in (torch.float16, torch.bfloat16) or state.low_precision
                 per_sample = promote_half(per_sample)
-                total = per_sample.sum(0).reshape(grads[0].shape)
-                expected = grads[0].to(total)
-                finite = bool(torch.isfinite(total).all()) and bool(
-                    torch.isfinite(expected).all()
-                )  # NaN/inf (a diverging run) cannot be compared: keep the rows
-                rtol, atol = (2e-2, 2e-2 * float(expected.abs().max())) if half else (1e-4, 1e-6)
-                if finite and not torch.allclose(total, expected, rtol=rtol, atol=atol):
-                    raise RuntimeError(
-                        f"The output of {describe(record.module)} holds no sample axis and "
-                        "is broadcast over the samples, but also used elsewhere, so its "
-                        "per-sample gradients cannot be told apart. Add the sample axis "
-                        "yourself (e.g. expand the positions to [N, T] before the embedding)."
-                    )
+                if due_for_check(record.module):  # host reads: on the coverage schedule
+                    _check_broadcast_rows(record, per_sample, grads[0], half)
                 grads = (per_sample.reshape(view.outputs[0].shape),)
             return view, grads
     axis = record.module.__dict__.get("_backpack_batch_axis", 0)
     if axis and not record.freed and not is_loss(record.module):
         return _moved_view(record, axis), tuple(_move(g, axis) for g in grads)
     return record, grads
+
+
+def _check_broadcast_rows(record: Record, per_sample: Tensor, grad: Tensor, half: bool) -> None:
+    """Refuse per-sample rows of a broadcast output that do not add up to its gradient."""
+    total = per_sample.sum(0).reshape(grad.shape)
+    expected = grad.to(total)
+    finite = bool(torch.isfinite(total).all()) and bool(
+        torch.isfinite(expected).all()
+    )  # NaN/inf (a diverging run) cannot be compared: keep the rows
+    rtol, atol = (2e-2, 2e-2 * float(expected.abs().max())) if half else (1e-4, 1e-6)
+    if finite and not torch.allclose(total, expected, rtol=rtol, atol=atol):
+        raise RuntimeError(
+            f"The output of {describe(record.module)} holds no sample axis and "
+            "is broadcast over the samples, but also used elsewhere, so its "
+            "per-sample gradients cannot be told apart. Add the sample axis "
+            "yourself (e.g. expand the positions to [N, T] before the embedding)."
+        )
 
 
 def check_sample_count(state: BackwardState, record: Record) -> None:

@@ -15,12 +15,13 @@ Every quantity comes from contractions of the centred input with the output grad
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
-from backpack.recording import Record
+from backpack.recording import SHAPE_ONLY_OUTPUTS, Record
 from backpack.rules.base import GradOutputs, ModuleRule, Names, register_rule
 
 
@@ -39,14 +40,29 @@ def _flat(record: Record, grad_outputs: GradOutputs) -> tuple[Tensor, Tensor]:
     return x.reshape(n, c, -1), g.reshape(n, c, -1)
 
 
+#: id(module) -> (running statistics' versions, eps, dtype, (mean [C, 1], 1/std [C])): the
+#: running statistics of an eval-mode call change only between steps, so a step's backward
+#: reuses them instead of launching two kernels per layer (entries die with their module)
+_RUNNING: dict[int, tuple[tuple, tuple[Tensor, Tensor]]] = {}
+
+
 def _statistics(record: Record, x: Tensor) -> tuple[Tensor, Tensor]:
-    """Mean `[C]` and inverse standard deviation `[C]` the recorded call normalised with."""
+    """Mean `[C, 1]` and inverse standard deviation `[C]` the recorded call normalised with."""
     module = record.module
     if uses_batch_statistics(record):
         var, mean = torch.var_mean(x, dim=(0, 2), correction=0)
-    else:
-        mean, var = module.running_mean.to(x.dtype), module.running_var.to(x.dtype)
-    return mean, torch.rsqrt(var + module.eps)
+        return mean.unsqueeze(1), torch.rsqrt(var + module.eps)
+    mean, var = module.running_mean, module.running_var
+    key = (mean._version, var._version, id(mean), id(var), module.eps, x.dtype, x.device)
+    cached = _RUNNING.get(id(module))
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    if cached is None:
+        weakref.finalize(module, _RUNNING.pop, id(module), None)
+    mean, var = mean.to(x.dtype), var.to(x.dtype)
+    stats = (mean.unsqueeze(1), torch.rsqrt(var + module.eps))
+    _RUNNING[id(module)] = (key, stats)
+    return stats
 
 
 def _per_sample(
@@ -64,10 +80,15 @@ def _per_sample(
         index = torch.as_tensor(subsampling, device=x.device)
         x, g = x[index], g[index]
     if "weight" in names:
-        result["weight"] = torch.einsum("ncs,ncs->nc", g, x - mean[:, None]) * invstd
+        # Σ_s δ (x − μ), then 1/σ: three passes over the input, no reshuffling of it
+        result["weight"] = ((x - mean) * g).sum(2) * invstd
     if "bias" in names:
         result["bias"] = g.sum(2)
     return result
+
+
+# the rule reads its outputs' shapes only (see `SHAPE_ONLY_OUTPUTS`)
+SHAPE_ONLY_OUTPUTS.update({nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d})
 
 
 @register_rule(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -102,7 +123,7 @@ class BatchNormRule(ModuleRule):
         result: dict[str, Tensor] = {}
         if "weight" in names:
             mean, invstd = _statistics(record, x)
-            result["weight"] = torch.einsum("ncs,ncs->c", g, x - mean[:, None]) * invstd
+            result["weight"] = ((x - mean) * g).sum((0, 2)) * invstd
         if "bias" in names:
             result["bias"] = g.sum((0, 2))
         return result

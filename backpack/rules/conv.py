@@ -27,6 +27,7 @@ operands; the input factor's symmetric product only computes its block upper tri
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -35,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from backpack.core import device
 from backpack.core.derivatives import convnd
 from backpack.recording import SHAPE_ONLY_OUTPUTS, Record
 from backpack.rules.base import GradOutputs, ModuleRule, Names, gram, register_rule
@@ -46,6 +48,10 @@ _CHUNK_BUDGET = 1 << 24
 #: unfolded input may occupy, per device type (`_CHUNK_BUDGET` elsewhere); small chunks stay in
 #: cache on CPU
 _PAIR_CHUNK = {"cpu": 1 << 21}
+#: elements of unfolded input a chunk of samples of the input Kronecker factor's Gram product
+#: may occupy, per device type: on a GPU (256 MiB in float32) fewer chunks mean fewer kernels
+#: and calls (the Gram's blocks are launched once per chunk)
+_INPUT_GRAM_CHUNK = {"cpu": 1 << 21, "cuda": 1 << 26}
 
 #: the convolution module classes the rule below covers
 CONV_CLASSES = (
@@ -511,15 +517,16 @@ def _input_and_factor(record: Record, factors: Sequence[Tensor | None]) -> tuple
 
 def _pair_sizes(module: nn.Module, x: Tensor, f: Tensor, fold: bool) -> tuple[int, int]:
     """Elements of the intermediates of one (column, sample) pair and of one sample's input."""
-    per_pair = module.weight.numel() + f[0, 0].numel()
+    per_pair = module.weight.numel() + math.prod(f.shape[2:])  # (sizes only: no tensor ops)
     if fold:
         return per_pair, 0
+    kernel = math.prod(module.kernel_size)
     if convnd.is_transposed(module):
         # the unfolded factor column and its reordered copy
-        unfolded = f.shape[2] * math.prod(module.kernel_size) * math.prod(x.shape[2:])
+        unfolded = f.shape[2] * kernel * math.prod(x.shape[2:])
         return per_pair + 2 * unfolded, 0
     # the padded input and its unfolded copy
-    return per_pair, 2 * convnd.unfolded_elements_per_sample(module, x, f[0])
+    return per_pair, 2 * x.shape[1] * kernel * math.prod(f.shape[3:])
 
 
 def _pair_grads(module: nn.Module, x: Tensor, f: Tensor) -> Iterator[tuple[slice, slice, Tensor]]:
@@ -532,18 +539,19 @@ def _pair_grads(module: nn.Module, x: Tensor, f: Tensor) -> Iterator[tuple[slice
     v, n = f.shape[0], f.shape[1]
     fold = convnd.prefer_fold(module, x, f.shape[3:], columns=v)
     per_pair, per_sample = _pair_sizes(module, x, f, fold)
-    budget = _PAIR_CHUNK.get(x.device.type, _CHUNK_BUDGET)
+    budget = _PAIR_CHUNK.get(device.kind(x), _CHUNK_BUDGET)
     if v * per_pair + per_sample <= budget:
         n_step, v_step = max(1, budget // (v * per_pair + per_sample)), v
     else:
         n_step, v_step = 1, max(1, (budget - per_sample) // per_pair)
+    whole = n_step >= n and v_step >= v  # one chunk: no slicing
     for start in range(0, n, n_step):
         ns = slice(start, min(n, start + n_step))
-        xs = x[ns]
+        xs = x if whole else x[ns]
         shared = None if fold else convnd.pair_operand(module, xs, f.shape[3:])
         for v_start in range(0, v, v_step):
             vs = slice(v_start, min(v, v_start + v_step))
-            fs = f[vs, ns]
+            fs = f if whole else f[vs, ns]
             if fold:
                 yield ns, vs, convnd.pair_weight_grads_fold(module, xs, fs)
             else:
@@ -583,8 +591,9 @@ def _input_kron_factor(module: nn.Module, x: Tensor, out_size: Sequence[int]) ->
         return (flat @ flat.T) / n
     if convnd.correlation_applies(module, x, out_size):
         return convnd.input_gram_by_correlation(module, x, out_size) / n
-    size = convnd.unfolded_elements_per_sample(module, x, x.new_empty(1, 1, *out_size))
-    step = max(1, _PAIR_CHUNK.get(x.device.type, _CHUNK_BUDGET) // max(1, size))
+    size = x.shape[1] * math.prod(module.kernel_size) * math.prod(out_size)  # unfolded, one sample
+    budget = _INPUT_GRAM_CHUNK.get(device.kind(x), _CHUNK_BUDGET)
+    step = max(1, budget // max(1, size))
     a = None
     for start in range(0, n, step):
         u = convnd.unfold_channels_first(module, x[start : start + step], out_size)
@@ -649,3 +658,33 @@ def _transposed_unfold(module: nn.Module, x: Tensor, out_size: Sequence[int]) ->
         module.dilation,
     )
     return u.reshape(x.shape[0], c_in * k, -1)
+
+
+def _in_convolution_precision(method: Any) -> Any:
+    """`method` of the rule with its matrix products in the convolutions' precision.
+
+    See `backpack.core.device.products_like_convolutions` (TF32 on GPUs where cuDNN uses it).
+    """
+
+    @functools.wraps(method)
+    def wrapped(self: ConvRule, record: Record, *args: Any, **kwargs: Any) -> Any:
+        with device.products_like_convolutions(_input(record)):
+            return method(self, record, *args, **kwargs)
+
+    return wrapped
+
+
+for _method in (
+    "per_sample_grads",
+    "batch_l2",
+    "batch_l2_and_sum",
+    "sum_grad_squared",
+    "grad_sum_and_squares",
+    "grad_sum_and_centred_squares",
+    "batch_dot",
+    "sqrt_factor",
+    "diag_from_factor",
+    "kron_output_gram",
+    "kron_factors",
+):
+    setattr(ConvRule, _method, _in_convolution_precision(getattr(ConvRule, _method)))

@@ -53,18 +53,27 @@ def _rows(record: Record, grad_outputs: GradOutputs) -> tuple[Tensor, Tensor]:
     return idx, g
 
 
-def _pair_sums(idx: Tensor, g: Tensor, num_embeddings: int) -> tuple[Tensor, Tensor, Tensor]:
+def _pair_sums(
+    idx: Tensor, g: Tensor, num_embeddings: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Distinct (sample, row) pairs of the batch and their summed gradients.
 
-    Returns the sample `[U]`, the row `[U]` and the gradient `[U, D]` of each pair, i.e. the
-    nonzero rows of all per-sample gradients.
+    Returns the sample `[M]`, the row `[M]`, the gradient `[M, D]` of each pair (the nonzero
+    rows of all per-sample gradients) and whether entry m is a pair `[M]`: M = N·T entries, the
+    pairs first, then zero gradients at sample 0, row 0. The number of distinct pairs is never
+    read on the host, so a GPU does not wait for it (`torch.unique` would).
     """
     n = idx.shape[0]
-    keys = idx + num_embeddings * torch.arange(n, device=idx.device).unsqueeze(1)
-    unique_keys, inverse = torch.unique(keys.flatten(), return_inverse=True)
-    sums = g.new_zeros(unique_keys.shape[0], g.shape[-1])
-    sums.index_add_(0, inverse, g.reshape(-1, g.shape[-1]))
-    return unique_keys // num_embeddings, unique_keys % num_embeddings, sums
+    keys = (idx + num_embeddings * torch.arange(n, device=idx.device).unsqueeze(1)).flatten()
+    keys, order = torch.sort(keys)
+    first = torch.ones_like(keys, dtype=torch.bool)
+    first[1:] = keys[1:] != keys[:-1]
+    pair = torch.cumsum(first, 0) - 1  # the distinct pair each (sorted) entry belongs to
+    sums = g.new_zeros(keys.shape[0], g.shape[-1])
+    sums.index_add_(0, pair, g.reshape(-1, g.shape[-1])[order])
+    pair_keys = torch.zeros_like(keys).scatter_(0, pair, keys)
+    present = torch.arange(keys.shape[0], device=keys.device) <= pair[-1:]
+    return pair_keys // num_embeddings, pair_keys % num_embeddings, sums, present
 
 
 @register_rule(nn.Embedding)
@@ -99,7 +108,7 @@ class EmbeddingRule(ModuleRule):
         if "weight" not in names:
             return {}
         idx, g = _rows(record, grad_outputs)
-        sample, _, sums = _pair_sums(idx, g, record.module.num_embeddings)
+        sample, _, sums, _ = _pair_sums(idx, g, record.module.num_embeddings)
         result = g.new_zeros(idx.shape[0])
         result.index_add_(0, sample, sums.square().sum(1))
         return {"weight": result}
@@ -110,7 +119,7 @@ class EmbeddingRule(ModuleRule):
             return {}
         idx, g = _rows(record, grad_outputs)
         v = record.module.num_embeddings
-        _, row, sums = _pair_sums(idx, g, v)
+        _, row, sums, _ = _pair_sums(idx, g, v)
         result = g.new_zeros(v, g.shape[-1])
         result.index_add_(0, row, sums.square())
         return {"weight": result}
@@ -121,7 +130,7 @@ class EmbeddingRule(ModuleRule):
             return {}
         idx, g = _rows(record, grad_outputs)
         n, t, d = g.shape
-        sample, row, sums = _pair_sums(idx, g, record.module.num_embeddings)
+        sample, row, sums, _ = _pair_sums(idx, g, record.module.num_embeddings)
         used_rows, compact_row = torch.unique(row, return_inverse=True)
         used = used_rows.shape[0]
         if n * t * t * (d + 1) <= used * d * (n + 1):
@@ -129,7 +138,7 @@ class EmbeddingRule(ModuleRule):
             dots = torch.einsum("ntd,msd->nmts", g, g)
             return {"weight": (dots * same_row.to(g.dtype)).sum((2, 3))}
         dense = g.new_zeros(n, used, d)
-        dense[sample, compact_row] = sums
+        dense.index_put_((sample, compact_row), sums, accumulate=True)  # padding adds zeros
         flat = dense.reshape(n, -1)
         return {"weight": flat @ flat.T}
 
@@ -149,14 +158,16 @@ class EmbeddingRule(ModuleRule):
             return {}, {}
         idx, g = _rows(record, grad_outputs)
         n, v = idx.shape[0], record.module.num_embeddings
-        _, row, pair_sums = _pair_sums(idx, g, v)
+        _, row, pair_sums, present = _pair_sums(idx, g, v)
+        present = present.to(g.dtype)
         total = g.new_zeros(v, g.shape[-1])
         total.index_add_(0, row, pair_sums)
         mean = total / max(n, 1)
         m2 = g.new_zeros(v, g.shape[-1])
-        m2.index_add_(0, row, pair_sums.sub_(mean[row]).square_())
+        deviations = pair_sums.sub_(mean[row]).mul_(present.unsqueeze(1))  # padding: 0
+        m2.index_add_(0, row, deviations.square_())
         users = torch.zeros(v, dtype=g.dtype, device=g.device)
-        users.index_add_(0, row, torch.ones_like(row, dtype=g.dtype))
+        users.index_add_(0, row, present)
         m2.addcmul_((n - users).unsqueeze(1), mean.square())
         return {"weight": total}, {"weight": m2}
 

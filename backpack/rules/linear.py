@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from backpack.recording import SHAPE_ONLY_OUTPUTS, Record
+from backpack.recording import PRIVATE_VIEW_OUTPUTS, SHAPE_ONLY_OUTPUTS, Record
 from backpack.rules.base import (
     GradOutputs,
     ModuleRule,
@@ -38,6 +38,14 @@ def _flat(record: Record, grad_outputs: GradOutputs) -> tuple[Tensor, Tensor]:
     x, g = record.args[0], grad_outputs[0]
     n = x.shape[0]
     return x.reshape(n, -1, x.shape[-1]), g.reshape(n, -1, g.shape[-1])
+
+
+def _products(a: Tensor, b: Tensor) -> Tensor:
+    """Per-sample Σ_t a_nt b_ntᵀ of `[N, T, p]` and `[N, T, q]`: `[N, p, q]`.
+
+    One batched GEMM: einsum's reshuffling costs several more operator calls.
+    """
+    return torch.bmm(a.transpose(1, 2), b)
 
 
 # the rule reads its outputs' shapes only (see `SHAPE_ONLY_OUTPUTS`)
@@ -66,7 +74,7 @@ class LinearRule(ModuleRule):
             x, g = x[index], g[index]
         result = {}
         if "weight" in names:
-            result["weight"] = torch.einsum("nto,nti->noi", g, x)
+            result["weight"] = _products(g, x)
         if "bias" in names:
             result["bias"] = g.sum(1)
         return result
@@ -88,7 +96,7 @@ class LinearRule(ModuleRule):
                 gram_x = torch.bmm(x, x.transpose(1, 2))
                 result["weight"] = (gram_g * gram_x).sum((1, 2))
             else:
-                result["weight"] = torch.einsum("nto,nti->noi", g, x).square().sum((1, 2))
+                result["weight"] = _products(g, x).square().sum((1, 2))
         if "bias" in names:
             result["bias"] = g.sum(1).square().sum(1)
         return result
@@ -103,7 +111,7 @@ class LinearRule(ModuleRule):
             if x.shape[1] == 1:
                 result["weight"] = g[:, 0].square().T @ x[:, 0].square()
             else:
-                result["weight"] = torch.einsum("nto,nti->noi", g, x).square().sum(0)
+                result["weight"] = _products(g, x).square().sum(0)
         if "bias" in names:
             result["bias"] = g.sum(1).square().sum(0)
         return result
@@ -121,7 +129,7 @@ class LinearRule(ModuleRule):
                 xx = torch.einsum("nti,msi->nmts", x, x)
                 result["weight"] = (gg * xx).sum((2, 3))
             else:
-                flat = torch.einsum("nto,nti->noi", g, x).flatten(1)
+                flat = _products(g, x).flatten(1)
                 result["weight"] = flat @ flat.T
         if "bias" in names:
             b = g.sum(1)
@@ -142,7 +150,7 @@ class LinearRule(ModuleRule):
             return None
         sums, squares = {}, {}
         if "weight" in names:
-            per_sample = torch.einsum("nto,nti->noi", g, x)
+            per_sample = _products(g, x)
             sums["weight"] = per_sample.sum(0)
             squares["weight"] = per_sample.square_().sum(0)
         if "bias" in names:
@@ -171,7 +179,7 @@ class LinearRule(ModuleRule):
                 total, m2 = outer_centred_squares(g[:, 0], x[:, 0], given)
                 sums["weight"], squares["weight"] = total, m2
             else:
-                per_sample = torch.einsum("nto,nti->noi", g, x)
+                per_sample = _products(g, x)
                 sums["weight"], squares["weight"] = centred_squares(per_sample, overwrite=True)
         if "bias" in names:
             sums["bias"], squares["bias"] = centred_squares(g.sum(1), overwrite=True)
@@ -213,7 +221,10 @@ class LinearRule(ModuleRule):
             x, f = x[index], f[:, index]
         result = {}
         if "weight" in names:
-            result["weight"] = torch.einsum("vnto,nti->vnoi", f, x)
+            if f.shape[0] == 1:  # one column (Monte-Carlo): a single batched product
+                result["weight"] = _products(f[0], x).unsqueeze(0)
+            else:
+                result["weight"] = torch.einsum("vnto,nti->vnoi", f, x)
         if "bias" in names:
             result["bias"] = f.sum(2)
         return result
@@ -388,6 +399,9 @@ class Conv1DRule(LinearRule):
 
     def on_class_resolved(self, cls: type) -> None:  # noqa: D102
         SHAPE_ONLY_OUTPUTS.add(cls)  # reads its outputs' shapes only, as Linear's rule
+        # its output is a view of `addmm`'s, which no node of the call saves: recording
+        # re-wraps it without the copy a view of a saved tensor needs
+        PRIVATE_VIEW_OUTPUTS.add(cls)
 
     def per_sample_grads(self, record, grad_outputs, names, subsampling=None):  # noqa: D102
         x, g = _flat(record, grad_outputs)
@@ -396,7 +410,7 @@ class Conv1DRule(LinearRule):
             x, g = x[index], g[index]
         result = {}
         if "weight" in names:
-            result["weight"] = torch.einsum("nti,nto->nio", x, g)
+            result["weight"] = _products(x, g)
         if "bias" in names:
             result["bias"] = g.sum(1)
         return result
@@ -422,7 +436,7 @@ class Conv1DRule(LinearRule):
                 given = None if grad_sums is None else grad_sums.get("weight")
                 sums["weight"], squares["weight"] = outer_centred_squares(x[:, 0], g[:, 0], given)
             else:
-                per_sample = torch.einsum("nti,nto->nio", x, g)
+                per_sample = _products(x, g)
                 sums["weight"], squares["weight"] = centred_squares(per_sample, overwrite=True)
         if "bias" in names:
             sums["bias"], squares["bias"] = centred_squares(g.sum(1), overwrite=True)

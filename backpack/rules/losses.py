@@ -151,8 +151,11 @@ class CrossEntropyLossRule(LossRule):
     def check(self, module: nn.Module, extension: str) -> None:  # noqa: D102
         _check_reduction(module, extension)
 
-    def _weights(self, record: Record) -> tuple[Tensor, float]:
-        """Per-term Hessian weights `[N, *d]` and R."""
+    def _weights(self, record: Record) -> tuple[Tensor, Tensor | float]:
+        """Per-term Hessian weights `[N, *d]` and R.
+
+        R is a 0-dim tensor for "mean": its value is not read on the host (a GPU would stall).
+        """
         module = record.module
         out, target = record.args[0], record.args[1]
         if target.dtype.is_floating_point:
@@ -173,12 +176,12 @@ class CrossEntropyLossRule(LossRule):
             normaliser = w_target.sum()
         if module.reduction == "sum":
             return weight, 1.0
-        total = normaliser.item()
         # every target ignored (or no sample): no term, no curvature (autograd's gradient is 0)
-        return weight, 1.0 / total if total else 0.0
+        r = torch.where(normaliser > 0, normaliser.reciprocal(), torch.zeros_like(normaliser))
+        return weight, r
 
     def reduction_factor(self, record: Record) -> float:  # noqa: D102
-        return self._weights(record)[1]
+        return float(self._weights(record)[1])
 
     def sqrt_hessian(self, record: Record, reduced: bool = False) -> Tensor:  # noqa: D102
         out = record.args[0]

@@ -37,6 +37,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import vmap
 
+from backpack.core import device
+
 __all__ = [
     "weight_jac_t_save_memory",
     "save_memory_enabled",
@@ -158,6 +160,18 @@ def unfold(
     output grid). `padding` zeros are added on both sides; `out_size` truncates the output grid.
     """
     dims = len(kernel_size)
+    if dims == 2 and x.dim() == 4:
+        # 2-D: one im2col kernel (same row order) instead of padding, views and a copy
+        u = F.unfold(x, tuple(kernel_size), tuple(dilation), tuple(padding), tuple(stride))
+        if out_size is None or math.prod(out_size) == u.shape[-1]:
+            return u
+        grid = [
+            (x.shape[2 + i] + 2 * padding[i] - dilation[i] * (kernel_size[i] - 1) - 1)
+            // stride[i] + 1
+            for i in range(2)
+        ]
+        u = u.reshape(u.shape[0], u.shape[1], *grid)[:, :, : out_size[0], : out_size[1]]
+        return u.reshape(u.shape[0], u.shape[1], -1)
     x = patches(x, kernel_size, stride, dilation, padding, out_size)  # [N, C, *out, *kernel]
     perm = [0, 1, *range(2 + dims, 2 + 2 * dims), *range(2, 2 + dims)]
     x = x.permute(perm)
@@ -192,6 +206,9 @@ def unfold_channels_first(module: nn.Module, x: Tensor, out_size: Sequence[int])
     """
     xp, padding = pad_input(module, x)
     dims = spatial_dims(module)
+    if dims == 2:
+        u = unfold(xp, module.kernel_size, module.stride, module.dilation, padding, out_size)
+        return u.transpose(0, 1).reshape(u.shape[1], -1)  # [C_in K, N L]: the one copy
     p = patches(xp, module.kernel_size, module.stride, module.dilation, padding, out_size)
     p = p.permute(1, *range(2 + dims, 2 + 2 * dims), 0, *range(2, 2 + dims))
     return p.reshape(x.shape[1] * math.prod(module.kernel_size), -1)
@@ -241,7 +258,10 @@ def weight_grad_factors(module: nn.Module, x: Tensor, grad_output: Tensor) -> tu
 
 def per_sample_weight_grads_from_factors(module: nn.Module, a: Tensor, b: Tensor) -> Tensor:
     """`[N, *weight.shape]` per-sample weight gradients from the factors `A Bᵀ`."""
-    return torch.matmul(a, b.transpose(-1, -2)).reshape(a.shape[0], *module.weight.shape)
+    n, groups = a.shape[0], a.shape[1]
+    flat_a = a.reshape(n * groups, a.shape[2], a.shape[3])
+    flat_b = b.reshape(n * groups, b.shape[2], b.shape[3])
+    return torch.bmm(flat_a, flat_b.transpose(1, 2)).view(n, *module.weight.shape)
 
 
 def per_sample_weight_grads_vmap(module: nn.Module, x: Tensor, grad_output: Tensor) -> Tensor:
@@ -296,7 +316,7 @@ _UNFOLD_CHUNK_DEFAULT = 1 << 26
 
 def _prefer_vmap(module: nn.Module, x: Tensor, grad_output: Tensor) -> bool:
     """Cost heuristic (measured on CPU): the vmap path wins on large spatial grids."""
-    if module.groups != 1 or grad_output.device.type != "cpu":
+    if module.groups != 1 or device.kind(grad_output) != "cpu":
         return False
     return _large_grid(module, x, grad_output.shape[2:])
 
@@ -329,7 +349,7 @@ def unfolded_elements_per_sample(module: nn.Module, x: Tensor, grad_output: Tens
 def per_sample_weight_grads_unfold(module: nn.Module, x: Tensor, grad_output: Tensor) -> Tensor:
     """`[N, *weight.shape]` per-sample weight gradients as `A Bᵀ`, in chunks of samples."""
     n = x.shape[0]
-    budget = _UNFOLD_CHUNK.get(x.device.type, _UNFOLD_CHUNK_DEFAULT)
+    budget = _UNFOLD_CHUNK.get(device.kind(x), _UNFOLD_CHUNK_DEFAULT)
     step = max(1, budget // max(1, unfolded_elements_per_sample(module, x, grad_output)))
     if step >= n:
         a, b = weight_grad_factors(module, x, grad_output)
@@ -461,13 +481,16 @@ def pair_weight_grads_fold(module: nn.Module, x: Tensor, factor: Tensor) -> Tens
         padding, output_padding = list(pad), [0] * len(kernel)
     c_in = x.shape[1]
     per_group = c_out // groups
-    grad = factor.reshape(v, n, groups, per_group, *out_grid).transpose(0, 1).transpose(1, 2)
-    grad = grad.reshape(1, n * groups * v * per_group, *out_grid)
+    if v == 1:  # (sample, group, channel) order already: no reordering
+        grad = factor.reshape(1, n * c_out, *out_grid)
+    else:
+        grad = factor.reshape(v, n, groups, per_group, *out_grid).transpose(0, 1).transpose(1, 2)
+        grad = grad.reshape(1, n * groups * v * per_group, *out_grid)
     if transposed:
         shape = (n * c_in, v * per_group, *kernel)
     else:
         shape = (n * groups * v * per_group, c_in // groups, *kernel)
-    weight = factor.new_empty(()).expand(shape)  # only its shape matters for the weight gradient
+    weight = _shape_only_weight(factor, shape)  # only its shape matters for the weight gradient
     gw = torch.ops.aten.convolution_backward(
         grad,
         x.reshape(1, n * c_in, *x.shape[2:]),
@@ -489,6 +512,21 @@ def pair_weight_grads_fold(module: nn.Module, x: Tensor, factor: Tensor) -> Tens
     return gw.reshape(n, groups, v, per_group, c_in // groups, *kernel).transpose(1, 2)
 
 
+#: (shape, dtype, device) -> an expanded scalar of that shape (`_shape_only_weight`)
+_SHAPE_ONLY: dict[tuple, Tensor] = {}
+
+
+def _shape_only_weight(like: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """A tensor of `shape` (no memory: one expanded scalar) for a weight backward's shape."""
+    key = (shape, like.dtype, like.device)
+    weight = _SHAPE_ONLY.get(key)
+    if weight is None:
+        if len(_SHAPE_ONLY) >= 256:
+            _SHAPE_ONLY.clear()
+        weight = _SHAPE_ONLY[key] = like.new_empty(()).expand(shape)
+    return weight
+
+
 def prefer_fold(module: nn.Module, x: Tensor, out_grid: Sequence[int], columns: int = 1) -> bool:
     """Whether the rules should use `pair_weight_grads_fold` (saving memory, or faster).
 
@@ -501,9 +539,10 @@ def prefer_fold(module: nn.Module, x: Tensor, out_grid: Sequence[int], columns: 
         return True
     if module.groups != 1:
         return False
-    if x.device.type == "cuda":
+    kind = device.kind(x)
+    if kind == "cuda":
         return columns == 1
-    if x.device.type != "cpu":
+    if kind != "cpu":
         return False
     return _large_grid(module, x, out_grid, thin_ok=True)
 
@@ -697,7 +736,7 @@ def correlation_applies(module: nn.Module, x: Tensor, out_size: Sequence[int]) -
         or module.groups != 1
         or module.padding_mode != "zeros"
         or any(s != 1 for s in module.stride)
-        or x.device.type != "cpu"
+        or device.kind(x) != "cpu"
         or math.prod(module.kernel_size) == 1
     ):
         return False
