@@ -104,8 +104,21 @@ def _ghost_is_cheaper(a: int, b: int, positions: int) -> bool:
 
 
 def _gram(t: Tensor) -> Tensor:
-    """`[N, G, L, L]` Gram matrices over the feature axis of factors `[N, G, f, L]`."""
-    return torch.matmul(t.transpose(-1, -2), t)
+    """`[N G, L, L]` Gram matrices over the feature axis of factors `[N, G, f, L]`."""
+    flat = t.reshape(t.shape[0] * t.shape[1], t.shape[2], t.shape[3])
+    return torch.bmm(flat.transpose(1, 2), flat)
+
+
+def _ghost_norms_of(fa: Tensor, fb: Tensor) -> Tensor:
+    """`[N]` squared norms Σ_g ⟨A_gᵀ A_g, B_gᵀ B_g⟩ of per-sample gradients A Bᵀ.
+
+    The factors are `[N, G, ·, L]`; the two `[L, L]` Gram matrices' elementwise product is
+    summed as one batched dot product per sample.
+    """
+    n, positions = fa.shape[0], fa.shape[3]
+    area = fa.shape[1] * positions * positions
+    ga, gb = _gram(fa).view(n, 1, area), _gram(fb).view(n, area, 1)
+    return torch.bmm(ga, gb).view(n)
 
 
 # the rule reads its outputs' shapes only (see `SHAPE_ONLY_OUTPUTS`)
@@ -178,9 +191,10 @@ class ConvRule(ModuleRule):
                 norms = []
                 per_sample = groups * max(positions**2, (a + b) * positions)
                 for part in _chunks(x.shape[0], per_sample):
-                    fa, fb = convnd.weight_grad_factors(module, x[part], g[part])
-                    norms.append((_gram(fa) * _gram(fb)).sum((1, 2, 3)))
-                result["weight"] = torch.cat(norms)
+                    whole = part.start == 0 and part.stop == x.shape[0]
+                    xs, gs = (x, g) if whole else (x[part], g[part])
+                    norms.append(_ghost_norms_of(*convnd.weight_grad_factors(module, xs, gs)))
+                result["weight"] = norms[0] if len(norms) == 1 else torch.cat(norms)
             else:
                 # per-sample gradients chunk by chunk (the output gradient is the only factor
                 # column), squared in place: `[N, *weight]` is never formed
