@@ -23,10 +23,10 @@ from torch.autograd.graph import GradientEdge
 from backpack import secondorder
 from backpack.recording import (
     Record,
+    call_params,
     describe,
     nearest_records,
     records_at,
-    trainable_params,
     walk_nodes,
 )
 from backpack.rules import find_rule
@@ -148,7 +148,7 @@ def _plan(state: BackwardState, loss_record: Record) -> list[tuple]:
             _check_dim(out_shape, f"output of {name}")
             steps.append(("sandwich", edge, out_edge, shape))
         shape = out_shape
-        trainable = list(trainable_params(record.module).values())
+        trainable = list(call_params(record).values())
         if any(state.uses(p) > 1 for p in trainable):
             raise NotImplementedError(
                 f"KFRA does not support parameters used several times in one backward "
@@ -203,7 +203,7 @@ def _check_chain_covers(loss_record: Record, steps: list[tuple]) -> None:
     stack = [e.node for e in loss_record.input_edges if e is not None]
     for node in walk_nodes(stack):
         for record, _, _ in records_at(node):
-            if trainable_params(record.module) and id(record) not in on_chain:
+            if call_params(record) and id(record) not in on_chain:
                 raise NotImplementedError(
                     "KFRA needs the model to be a chain of modules; "
                     f"{describe(record.module)} lies on a branch off the chain from the loss "
@@ -241,7 +241,7 @@ def start_kfra(
                 gbar = _sandwich(state, gbar, src, dst, n, shape, roots)
                 continue
             _, record, shape = step
-            names = list(trainable_params(record.module))
+            names = list(call_params(record))
             rule = find_rule(record.module)
             dense = getattr(rule, "kron_factors_dense", None)
             if dense is not None and type(record.module) is nn.Linear:
@@ -251,7 +251,7 @@ def start_kfra(
             factor = root.T.reshape(root.shape[1], 1, *shape)
             results.append((record, rule.kron_factors(record, [factor], names)))
     for record, kron in results:
-        params = trainable_params(record.module)
+        params = call_params(record)
         for name, factors in kron.items():
             for ext in exts:
                 setattr(params[name], ext.savefield, factors)

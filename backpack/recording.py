@@ -136,6 +136,7 @@ class Record:
         "input_producer",
         "rng",
         "out_versions",
+        "params",
         "__weakref__",
     )
 
@@ -211,6 +212,8 @@ class Record:
         self.input_producer = input_producer
         #: for calls that draw random numbers (`RANDOM_CALLS`): the generator before the call
         self.rng: GeneratorState | None = None
+        #: the call's trainable parameters, once asked for in the backward (`call_params`)
+        self.params: dict[str, Tensor] | None = None
 
     @property
     def input0(self) -> Tensor:
@@ -564,6 +567,18 @@ def trainable_params(module: nn.Module) -> dict[str, Tensor]:
     for name, p in _owned_parameters(module).items():
         if p is not None and p.requires_grad and all(p is not q for q in params.values()):
             params[name] = p
+    return params
+
+
+def call_params(record: Record) -> dict[str, Tensor]:
+    """`trainable_params` of the recorded call's module, looked up once per record.
+
+    The passes of a backward ask several times per call; within one backward the answer
+    cannot change.
+    """
+    params = record.params
+    if params is None:
+        params = record.params = trainable_params(record.module)
     return params
 
 

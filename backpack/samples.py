@@ -28,6 +28,7 @@ from torch.autograd.graph import GradientEdge
 from backpack.context import CTX
 from backpack.recording import (
     Record,
+    call_params,
     container_records,
     describe,
     has_sample_free_records,
@@ -595,7 +596,7 @@ class SampleLayout:
             group = group_of_root[find(min(positions))]
             self._groups[key] = group
             self._by_module.setdefault(id(record.module), []).append(record)
-            if len(roots) > 1 and not record.freed and trainable_params(record.module):
+            if len(roots) > 1 and not record.freed and call_params(record):
                 if key not in self.broadcast:  # their samples are the broadcast's
                     sizes[group].setdefault(int(batch_size(record)), record)
         if len(roots) < 2:
@@ -612,7 +613,7 @@ class SampleLayout:
 
         param_groups: dict[int, set[int]] = {}
         for key, (record, _) in reached.items():
-            for p in trainable_params(record.module).values():
+            for p in call_params(record).values():
                 param_groups.setdefault(id(p), set()).add(self._groups[key])
         for groups in param_groups.values():
             first, *rest = sorted(groups)
@@ -652,7 +653,7 @@ class SampleLayout:
 
     def _find_sites(self, found: dict[int, tuple[Record, Any]]) -> None:
         for key, (record, node) in found.items():
-            if key in self.broadcast or record.freed or not trainable_params(record.module):
+            if key in self.broadcast or record.freed or not call_params(record):
                 continue
             if not sample_free(record.args):
                 continue

@@ -28,13 +28,13 @@ from torch.autograd.graph import GradientEdge
 from backpack.context import CTX
 from backpack.recording import (
     Record,
+    call_params,
     describe,
     get_param,
     is_parametrized,
     nearest_records,
     promote_half,
     records_at,
-    trainable_params,
     walk_nodes,
 )
 from backpack.rules import find_rule
@@ -127,7 +127,7 @@ def graph_records(edge: Any) -> Iterator[tuple[Record, int, GradientEdge]]:
 
 
 def _is_parametrized(record: Record) -> bool:
-    return bool(trainable_params(record.module))
+    return bool(call_params(record))
 
 
 #: column counts up to which convolutional graphs are backpropagated one column at a time:
@@ -529,7 +529,7 @@ def _reducible_now(state: BackwardState, columns: _LossColumns) -> bool:
             return False
         if (find_rule(record.module) or _GENERIC).mixes_samples(record):
             return False
-        params = trainable_params(record.module).values()
+        params = call_params(record).values()
         if any(state.layout.cross_terms(p, state.batch_size) for p in params):
             return False
     return True
@@ -562,7 +562,7 @@ def _reduce_columns(state: BackwardState, columns: _LossColumns) -> None:
     def reduce(target: Record, index: int, key: tuple, columns: Tensor) -> None:
         target.promote_half()  # as the engine does before any rule runs (mixed precision)
         rule = find_rule(target.module) or _GENERIC
-        names = list(trainable_params(target.module))
+        names = list(call_params(target))
         at_outputs: list[Tensor | None] = [None] * len(target.outputs)
         at_outputs[index] = columns
         slot = totals.setdefault((id(target), key), {})
@@ -630,7 +630,7 @@ def _kron_with_gram(
     The rule computes A (and the G of one zero column) from a zero factor; G is then replaced.
     """
     rule = find_rule(record.module)
-    names = list(trainable_params(record.module))
+    names = list(call_params(record))
     out = record.outputs[index]
     empty: list[Tensor | None] = [None] * len(record.outputs)
     dtype = next(iter(grams.values())).dtype
@@ -1168,7 +1168,7 @@ def _propagate_residual(
                 kept.setdefault(id(target), []).append((cols, result))
                 continue
             rule = find_rule(target.module) or _GENERIC
-            names = list(trainable_params(target.module))
+            names = list(call_params(target))
             factors: list[Tensor | None] = [None] * len(target.outputs)
             factors[index] = result
             for mode in diag_modes:

@@ -158,6 +158,26 @@ def due_for_check(obj: Any) -> bool:
     return seen < 4 or seen % 16 == 0
 
 
+class _Unchecked:
+    """The coverage of a parameter this pass does not check (shared; it holds nothing)."""
+
+    active = False
+    handle = None
+    low_precision = False
+
+    @property
+    def pending(self) -> list:
+        """No variance waits on an unchecked parameter (they force a check)."""
+        return []
+
+    @pending.setter
+    def pending(self, value: list) -> None:
+        pass
+
+
+_UNCHECKED: Any = _Unchecked()
+
+
 def assume_checked(obj: Any) -> None:
     """Treat `obj` (a parameter, a module) as past the checks of its first passes.
 
@@ -186,13 +206,19 @@ def cover(
     when a variance waits for the parameter's gradient).
     """
     coverage = state.coverage.get(id(param))
-    if coverage is None:
+    if coverage is None and not always and not due_for_check(param):
+        # not checked in this pass: nothing to probe (the common case of a training loop)
+        coverage = state.coverage[id(param)] = _UNCHECKED
+        return coverage
+    if coverage is None or (always and coverage is _UNCHECKED):
         scale = state.scales.setdefault(id(record.module), [])
         pass_scale = state.scales.setdefault("pass", [])
+        # an earlier call of the pass went unchecked: this one holds pending variances only
+        active = coverage is None
         coverage = state.coverage[id(param)] = _Coverage(
             param, name, record.module, rule, scale, pass_scale
         )
-        coverage.active = always or due_for_check(param)
+        coverage.active = active
         if coverage.active:
             fields = [e.savefield for e in state.extensions]
 

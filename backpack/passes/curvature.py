@@ -21,7 +21,7 @@ from backpack.functional_calls import FunctionalLinear
 from backpack.passes.coverage import cover
 from backpack.passes.state import GENERIC_RULE, BackwardState, is_are, mixing_message, names_of
 from backpack.passes.views import place_rows
-from backpack.recording import Record, describe, get_param, trainable_params
+from backpack.recording import Record, call_params, describe, get_param, trainable_params
 from backpack.rules import find_rule
 from backpack.rules.base import ModuleRule
 
@@ -57,7 +57,7 @@ def _dense_blocks(
     torch.func fallback): with the exact factor (KFLR) it is the parameter's GGN block, with a
     sampled one (KFAC) its Monte-Carlo estimate.
     """
-    params = trainable_params(record.module)
+    params = call_params(record)
     for name in names:
         label = f"parameter {name} of {describe(record.module)}"
         _check_dense_size(ext, params[name], label, "its layer has no Kronecker rule")

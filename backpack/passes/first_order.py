@@ -28,10 +28,10 @@ from backpack.passes.state import (
 from backpack.passes.views import place
 from backpack.recording import (
     Record,
+    call_params,
     describe,
     is_parametrized,
     promote_half,
-    trainable_params,
 )
 from backpack.rules import find_rule
 from backpack.rules.base import ModuleRule, overridden_base
@@ -278,7 +278,7 @@ def _first_order_quantities(
     state: BackwardState, record: Record, grads: tuple[Tensor | None, ...]
 ) -> bool:
     module = record.module
-    params = trainable_params(module)
+    params = call_params(record)
     if not params:
         return False
     builtin = []

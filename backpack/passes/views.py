@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from backpack.passes.coverage import due_for_check
 from backpack.passes.state import GENERIC_RULE
-from backpack.recording import Record, describe, promote_half, trainable_params
+from backpack.recording import Record, call_params, describe, promote_half
 from backpack.rules import find_rule
 from backpack.rules.losses import is_loss
 
@@ -165,7 +165,7 @@ def check_sample_count(state: BackwardState, record: Record) -> None:
     flattened samples (`[N·T, D]`) would otherwise give per-position rows, and curvature
     mixing the positions of a sample, without any error.
     """
-    if not state.layout.losses or record.disabled or not trainable_params(record.module):
+    if not state.layout.losses or record.disabled or not call_params(record):
         return
     first = record.args[0] if record.args else None
     if not isinstance(first, Tensor):

@@ -21,13 +21,13 @@ from torch.nn.utils import parametrize
 from backpack.context import CTX
 from backpack.recording import (
     Record,
+    call_params,
     describe,
     get_param,
     is_parametrized,
     map_tensors,
     reparametrization_hooks,
     tensors_in,
-    trainable_params,
 )
 from backpack.rules.base import GradOutputs, ModuleRule, Names
 
@@ -242,7 +242,7 @@ class FuncRule(ModuleRule):
         if record.shape_only or _inside_transform():
             return True
         calls = _SampleCalls(self, record, None)
-        names = trainable_params(record.module)
+        names = call_params(record)
         params = {k: _working(get_param(record.module, k)) for k in names}
         try:
             with torch.no_grad(), CTX.internal(), transformable(record.module):

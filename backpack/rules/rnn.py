@@ -45,7 +45,7 @@ import torch
 from torch import _VF, Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from backpack.recording import Record, tensors_in, trainable_params
+from backpack.recording import Record, call_params, tensors_in
 from backpack.rules.base import GradOutputs, ModuleRule, Names, gram, register_rule
 
 _RECURRENCES: dict[str, Callable[..., Any]] = {
@@ -327,7 +327,7 @@ class RNNRule(ModuleRule):
         """
         cached = record.extra.get(_GRAD_SUM_KEY)
         if cached is None or cached[0] is not grad_outputs:
-            names = list(trainable_params(record.module))
+            names = list(call_params(record))
             columns = [None if g is None else g.unsqueeze(0) for g in grad_outputs]
             sums = _column_grads(record, columns, names, None, summed=True)
             # keeping grad_outputs referenced makes the identity test above reliable
