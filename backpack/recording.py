@@ -65,6 +65,19 @@ SHAPE_ONLY_OUTPUTS: set[type] = set()
 IDEMPOTENT_ACTIVATIONS: set[type] = set()
 
 
+#: module classes that return their input object itself (`nn.Identity`; dropout layers do in
+#: eval mode): their records never keep its values (see `_forget_identity_values`)
+PASS_THROUGH: set[type] = {
+    nn.Identity,
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+}
+
+
 #: outputs smaller than this are kept as they are (holding them costs nothing measurable, and
 #: a stand-in costs as much as a view)
 SHAPE_ONLY_MIN_ELEMENTS = 2**16
@@ -137,6 +150,8 @@ class Record:
         "rng",
         "out_versions",
         "params",
+        "holders",
+        "free_pending",
         "__weakref__",
     )
 
@@ -214,6 +229,10 @@ class Record:
         self.rng: GeneratorState | None = None
         #: the call's trainable parameters, once asked for in the backward (`call_params`)
         self.params: dict[str, Tensor] | None = None
+        #: identity calls that pass this call's output on and read it from here
+        #: (`_forget_identity_values`): `free` waits for them
+        self.holders = 0
+        self.free_pending = False
 
     @property
     def input0(self) -> Tensor:
@@ -237,6 +256,12 @@ class Record:
                     "that module."
                 )
             return producer.output_values()
+        if producer is None and self.identity and self.shape_only and not self.freed:
+            raise RuntimeError(
+                f"The values that {describe(self.module)} passed through are not kept (the "
+                "call returns its input unchanged). Read them from the module that produced "
+                "them, or wrap the identity in a module of your own."
+            )
         return self.args[0] if self.args else None
 
     def output_values(self) -> Any:
@@ -245,6 +270,8 @@ class Record:
         Recomputed from the inputs for shape-only records, and where an in-place operation after
         the call changed them.
         """
+        if self.identity and self.input_producer is not None:
+            return self.input_values()  # an identity's output is its input
         if self.freed or not (self.shape_only or self.outputs_modified()):
             return self.output_structure
         with torch.no_grad(), CTX.internal():
@@ -264,7 +291,19 @@ class Record:
         self._input_edges = list(edges)
 
     def free(self) -> None:
-        """Drop the recorded tensors (memory is returned as soon as autograd is done too)."""
+        """Drop the recorded tensors (memory is returned as soon as autograd is done too).
+
+        A record that identity calls read their values from is freed after the last of them.
+        """
+        if self.holders:
+            self.free_pending = True
+            return
+        if self.identity and self.input_producer is not None and not self.freed:
+            producer = self.input_producer
+            producer.holders -= 1
+            if not producer.holders and producer.free_pending:
+                producer.free()
+        self.input_producer = None
         self.args = ()
         self.kwargs = {}
         self.outputs = ()
@@ -651,6 +690,43 @@ def _keep(a: Any, out_tensors: list[Tensor]) -> Any:
     return _detach(a)
 
 
+def _forget_identity_values(record: Record, output: Tensor, alias: Tensor) -> None:
+    """Let an identity call keep stand-ins, not the values, where it would be their only holder.
+
+    Identity calls are `nn.Identity`, dropout in eval mode and the like. Autograd does not keep
+    a Linear's or convolution's output (the next operation, often an addition, does not need
+    it); an identity holding it would keep it for the whole step (a vision transformer's
+    `Identity` layer scales and drop-paths: a quarter more memory). Its values, should a user
+    hook ask (`module.input0`, `module.output`), come from the producer's record (kept until
+    the identity's hook ran); the classes of `PASS_THROUGH` keep no values even without a
+    recorded producer (an `nn.Identity` on a query in attention would hold the whole
+    projection's output), and a hook asking for them then gets an error.
+    """
+    producer = _producer(output)
+    if producer is None and type(record.module) not in PASS_THROUGH:
+        return  # no record to read the values from: kept
+    stand_in = _shape_only(output)
+    record.args = tuple([stand_in if a is alias else a for a in record.args])
+    record.versions = tuple([a._version if isinstance(a, Tensor) else None for a in record.args])
+    record.outputs = (stand_in,)
+    record.output_structure = stand_in
+    record.out_versions = (stand_in._version,)
+    record.shape_only = True
+    record.input_producer = producer
+    if producer is not None:
+        producer.holders += 1  # both run at the same node: the producer's hook first
+
+
+def _producer(x: Any) -> Record | None:
+    """The live record whose output `x` is (None if there is none)."""
+    node = getattr(x, "grad_fn", None) if isinstance(x, Tensor) else None
+    entries = None if node is None else node.metadata.get(_META_KEY)
+    for record, _, output_nr in entries or ():
+        if output_nr == x.output_nr and not record.freed and not record.identity:
+            return record
+    return None
+
+
 def _shape_only_producer(x: Any) -> Record | None:
     """The shape-only record whose output `x` is (None if there is none)."""
     node = getattr(x, "grad_fn", None) if isinstance(x, Tensor) else None
@@ -1008,8 +1084,10 @@ def _record_single(
         (structure._version,),
     )
     own = module._parameters
-    identity = inplace and not own and _META_KEY in node.metadata
+    identity = inplace and not own and (_META_KEY in node.metadata or cls in PASS_THROUGH)
     record.identity = identity
+    if identity:
+        _forget_identity_values(record, output, detached_output)
     params = _owned_parameters(module)
     if params and module.__dict__.get("_backpack_owner_ids") != tuple(map(id, params.values())):
         _register_owners(module, params)

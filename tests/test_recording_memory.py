@@ -266,3 +266,57 @@ def test_records_leave_the_registry_with_their_graph():
     assert [len(recording._records(m)) for m in model] == [2, 2, 2]
     outs.clear()
     assert all(len(recording._LIVE_RECORDS[id(m)]) == 0 for m in model)
+
+
+@pytest.mark.parametrize("width", [5, 300])  # the producer's output kept, or shape-only
+def test_identity_calls_keep_no_values_and_hooks_still_see_them(width):
+    """`nn.Identity` and eval-mode dropout pass their input on: their records keep stand-ins
+    (the value would otherwise live through the whole step), read from the producer's record,
+    which waits for them before it is freed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, width), nn.Identity(), nn.Dropout(0.3), nn.Tanh(), nn.Linear(width, 3)
+    )
+    model = extend(model.to(DTYPE).eval())
+    x, y = torch.randn(300, 4, dtype=DTYPE), torch.randint(0, 3, (300,))
+    out = model(x)
+    identities = [r for m in model[1:3] for r in recording.live_records(m)]
+    assert len(identities) == 2
+    assert all(r.shape_only and r.args[0].stride() == (0, 0) for r in identities)
+    seen = []
+
+    def hook(module):
+        if isinstance(module, (nn.Identity, nn.Dropout)):
+            seen.append((module.input0.clone(), module.output.clone()))
+
+    with backpack(BatchGrad(), extension_hook=hook):
+        extend(nn.CrossEntropyLoss())(out, y).backward()
+    with torch.no_grad():
+        expected = model[0](x)
+    assert len(seen) == 2
+    for inp, outp in seen:
+        torch.testing.assert_close(inp, expected)
+        torch.testing.assert_close(outp, expected)
+    # nothing outlives the backward: the producer waited for the identities, then went too
+    assert all(r.freed for r in identities)
+    assert all(r.freed for r in recording.live_records(model[0]))
+
+
+def test_identity_after_an_unrecorded_operation_refuses_to_show_values():
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(nn.Linear(4, 4), nn.Identity()).to(DTYPE))
+    inner = model[1]
+
+    class Twice(nn.Module):
+        def forward(self, x):
+            return inner(model[0](x) * 2)  # the identity's input comes from `* 2`
+
+    x, y = torch.randn(3, 4, dtype=DTYPE), torch.tensor([0, 1, 2])
+
+    def hook(module):
+        if module is inner:
+            module.input0  # noqa: B018
+
+    with pytest.raises(RuntimeError, match="passed through are not kept"):
+        with backpack(BatchGrad(), extension_hook=hook):
+            extend(nn.CrossEntropyLoss())(Twice()(x), y).backward()
