@@ -51,8 +51,9 @@ except ImportError as error:  # pragma: no cover - exercised only without laplac
     raise ImportError(
         "backpack.laplace needs laplace-torch. Install it without its dependency on the "
         "original BackPACK (whose import name `backpack` would shadow this package): "
-        "`pip install --no-deps laplace-torch` and then its other dependencies, see the docs "
-        "page 'Laplace (laplace-torch)'."
+        "in this package's checkout, `pip install -e \".[laplace]\"` (its other dependencies), "
+        "then `pip install --no-deps laplace-torch==0.3 curvlinops-for-pytorch==3.0.1`; see the "
+        "docs page 'Laplace (laplace-torch)'."
     ) from error
 
 __all__ = ["LaplaceGGN", "LaplaceEF", "EKFACLaplace", "HuggingFaceLogits", "laplace_factors"]
