@@ -89,7 +89,7 @@ def test_docs_home_lists_the_guides():
     assert "which-extension.md" in (ROOT / "mkdocs.yml").read_text()
 
 
-# --- install hints and dependencies --------------------------------------------------------------
+# --- install hints and dependencies ------------------------------------------------------------
 
 
 def _text_files():
@@ -132,7 +132,7 @@ def test_dependencies_cover_the_modules_the_library_imports():
     assert set(imported) <= required, imported
 
 
-# --- the Makefile keeps a compatible torch ---------------------------------------------------------
+# --- the Makefile keeps a compatible torch -----------------------------------------------------
 
 
 def _load_torch_check():
