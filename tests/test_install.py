@@ -158,10 +158,13 @@ def test_torch_check_versions():
     assert check.torch_requirement(["torchaudio==2.13.0", "torch; extra == 'x'"]) is None
 
 
-def _fake_torchvision(monkeypatch, requires):
+def _fake_versions(monkeypatch, torch_version, requires):
+    """Installed torch of `torch_version`; torchvision requiring `requires` (None: none)."""
     real_version, real_requires = importlib.metadata.version, importlib.metadata.requires
 
     def version(name):
+        if name == "torch":
+            return torch_version
         if name == "torchvision":
             if requires is None:
                 raise importlib.metadata.PackageNotFoundError(name)
@@ -177,11 +180,8 @@ def _fake_torchvision(monkeypatch, requires):
 
 def test_torch_check_decides_what_to_keep(monkeypatch, tmp_path, capsys):
     pytest.importorskip("torchvision")
-    import torch
-
     check = _load_torch_check()
-    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
-    _fake_torchvision(monkeypatch, None)
+    _fake_versions(monkeypatch, "2.13.0+cpu", None)
     kept, reason, version = check.check()
     assert kept is None and "no torchvision" in reason and version == "2.13.0+cpu"
     assert check.check(torch_only=True)[0] == {"torch": "2.13.0+cpu"}
@@ -190,17 +190,18 @@ def test_torch_check_decides_what_to_keep(monkeypatch, tmp_path, capsys):
     assert "torch==2.14.1 torchvision==0.29.1" in out
     assert "pip install torchvision --index-url https://download.pytorch.org/whl/cpu" in out
 
-    _fake_torchvision(monkeypatch, ["numpy", "torch==2.14.1"])
+    _fake_versions(monkeypatch, "2.13.0+cpu", ["numpy", "torch==2.14.1"])
     kept, reason, _ = check.check()
     assert kept is None and "needs torch ==2.14.1, not 2.13.0+cpu" in reason
 
-    _fake_torchvision(monkeypatch, ["numpy", "torch==2.13.0"])
+    _fake_versions(monkeypatch, "2.13.0+cpu", ["numpy", "torch==2.13.0"])
     assert check.check()[0] == {"torch": "2.13.0+cpu", "torchvision": "0.99.0"}
     assert check.main([str(tmp_path / "c.txt")]) == 0
+    # pip's versions, not torch.__version__ (whose "+cu130" an installed "2.14.1" would not meet)
     assert (tmp_path / "c.txt").read_text() == "torch==2.13.0+cpu\ntorchvision==0.99.0\n"
     assert "keeping torch 2.13.0+cpu and torchvision 0.99.0" in capsys.readouterr().out
 
-    monkeypatch.setattr(torch, "__version__", "2.3.1")
+    _fake_versions(monkeypatch, "2.3.1", None)
     kept, reason, _ = check.check(torch_only=True)
     assert kept is None and "older than 2.4" in reason
 

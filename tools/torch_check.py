@@ -98,7 +98,10 @@ def check(torch_only: bool = False) -> tuple[dict[str, str] | None, str, str | N
             import torch
         except Exception as error:  # noqa: BLE001 - any failure means: install the pinned one
             return None, f"no importable torch ({type(error).__name__}: {error})", None
-        version = torch.__version__
+        try:  # the version pip knows (torch.__version__ may add a local label like "+cu130")
+            version = importlib.metadata.version("torch")
+        except importlib.metadata.PackageNotFoundError:
+            version = torch.__version__
         if release(version) < MIN_TORCH:
             minimum = ".".join(map(str, MIN_TORCH))
             return None, f"torch {version} is older than {minimum}", version
