@@ -455,7 +455,7 @@ class EKFACLaplace(ParametricLaplace):
 
     `Laplace(model, likelihood, subset_of_weights="all", hessian_structure="ekfac",
     backend=LaplaceGGN)` selects it (laplace-torch finds every `ParametricLaplace` subclass by
-    its `_key`, once this module is imported). Per parameter the curvature is
+    the structure name it declares, once this module is imported). Per parameter the curvature is
     `H_l = Q_l diag(Λ*_l) Q_lᵀ` with KFAC's eigenbasis `Q_l = Q_G ⊗ Q_A` (or a dense factor's)
     and the corrected eigenvalues `Λ*` (the curvature's own diagonal in that basis), fitted by
     the data-set layer's `EKFAC` over the whole loader (two sweeps, exact data-set factors

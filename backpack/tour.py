@@ -699,6 +699,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPU threads for torch (1: the models are tiny, and one thread keeps the timings "
         "steady on a busy machine; 0: torch's default)",
     )
+    # the usage line names the second command too (its options: python -m backpack verify -h)
+    tour_usage = parser.format_usage().removeprefix("usage: ").rstrip()
+    parser.usage = f"{tour_usage}\n       python -m backpack verify [-h] [options] FACTORY"
     return parser
 
 

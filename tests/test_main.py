@@ -336,8 +336,13 @@ def test_help_mentions_verify(capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["python -m backpack", "--help"])
     with pytest.raises(SystemExit):
         runpy.run_module("backpack", run_name="__main__")
-    out = " ".join(capsys.readouterr().out.split())
+    text = capsys.readouterr().out
+    out = " ".join(text.split())
     assert "python -m backpack verify MODULE:FACTORY" in out
+    # the usage line names both commands
+    usage = text[: text.index("\n\n")]
+    assert usage.startswith("usage: python -m backpack [-h]")
+    assert "\n       python -m backpack verify [-h] [options] FACTORY" in usage
 
 
 def test_not_applicable_rows_keep_their_advice():
