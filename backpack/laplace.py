@@ -25,6 +25,7 @@ laplace-torch is imported by this module only; `import backpack` never needs it.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
@@ -44,9 +45,13 @@ from backpack.extensions import (
 from backpack.jacobian import jacobians as _jacobians
 
 try:
-    from laplace.baselaplace import ParametricLaplace
-    from laplace.curvature import EFInterface, GGNInterface
-    from laplace.utils import Kron
+    with warnings.catch_warnings():
+        # laplace-torch imports asdfghjkl, which applies `torch.jit.script` at import time and
+        # so triggers torch's deprecation notice: nothing a user of this module can change
+        warnings.filterwarnings("ignore", "`torch.jit.script` is deprecated", FutureWarning)
+        from laplace.baselaplace import ParametricLaplace
+        from laplace.curvature import EFInterface, GGNInterface
+        from laplace.utils import Kron
 except ImportError as error:  # pragma: no cover - exercised only without laplace-torch
     raise ImportError(
         "backpack.laplace needs laplace-torch. Install it without its dependency on the "
