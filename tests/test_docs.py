@@ -250,3 +250,19 @@ def test_gpt2_snippet_builds_its_model_without_warnings():
         logger.removeHandler(handler)
     assert namespace["gpt"].config.vocab_size == 1000
     assert not messages, messages
+
+
+def test_curvature_page_starts_with_what_a_user_reaches_for():
+    text = (DOCS / "curvature.md").read_text()
+    headings = re.findall(r"^## (.+)$", text, flags=re.M)
+    assert headings[0] == "What do you need?", headings
+    opening = text[: text.index("## The data-set loss")]
+    for task in ("Curvature of a loader", "Top eigenvalues", "Trace", "Laplace", "Influence"):
+        assert f"\n### {task}\n" in opening, task
+    assert len(opening.splitlines()) < 130  # the reference follows, not precedes
+    # sweeps on several processes have a page of their own
+    assert "fully_shard" not in text and "](curvature-distributed.md)" in text
+    distributed = (DOCS / "curvature-distributed.md").read_text()
+    assert distributed.startswith("# Distributed sweeps") and "fully_shard" in distributed
+    for page in DOCS.glob("*.md"):
+        assert "curvature.md#distributed-sweeps" not in page.read_text(), page.name
