@@ -516,13 +516,13 @@ def _kfra_step(module: nn.Module, inputs: Tensor, gbar: Tensor) -> Tensor:
             return torch.stack([fn(row) for row in flat])
 
     if flat.shape[1] == gbar.shape[0]:
-        # a diagonal Jacobian (elementwise module): Jₙ v = dₙ ∘ v, checked with a random v
-        ones = torch.ones_like(flat[0])
+        # a diagonal Jacobian (elementwise module): J v = d ∘ v, checked with a random v over
+        # the whole batch (which also catches modules that mix the samples)
         gen = torch.Generator().manual_seed(0)
-        probe = torch.randn(flat.shape[1], dtype=flat.dtype, generator=gen)
-        diag = per_sample(lambda r: jvp(one, (r,), (ones,))[1])
-        along = per_sample(lambda r: jvp(one, (r,), (probe,))[1])
-        if torch.allclose(along, diag * probe, rtol=1e-10, atol=0.0):
+        probe = torch.randn(inputs.shape, dtype=inputs.dtype, generator=gen)
+        diag = jvp(module, (inputs,), (torch.ones_like(inputs),))[1].reshape(n, -1)
+        along = jvp(module, (inputs,), (probe,))[1].reshape(n, -1)
+        if torch.allclose(along, diag * probe.reshape(n, -1), rtol=1e-10, atol=0.0):
             return gbar * (diag.T @ diag) / n
     jac = per_sample(jacrev(one))  # [N, D_out, D_in]
     return torch.einsum("nod,op,npe->de", jac, gbar, jac) / n
