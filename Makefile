@@ -9,10 +9,30 @@ LAPLACE_PACKAGES := laplace-torch==0.3 curvlinops-for-pytorch==3.0.1 asdfghjkl==
 
 .PHONY: install demo test test-slow test-clients install-clients lint bench clean docs
 
-$(STAMP): pyproject.toml requirements-dev.txt
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+# torch and torchvision: the venv's own are kept when torch >= 2.4 imports with a torchvision
+# built for it (tools/torch_check.py says which, and pins them for the rest of the install);
+# otherwise, or with PIN_TORCH=1 (as .ci/run does), the pinned ones of requirements-torch.txt.
+# `make demo` needs no torchvision and keeps any torch >= 2.4.
+PIN_TORCH ?=
+TORCH_CONSTRAINTS := $(VENV)/torch-constraints.txt
+TORCH_INPUTS := requirements-torch.txt tools/torch_check.py
+
+# $(call keep_or_pin_torch,CHECK_OPTIONS)
+define keep_or_pin_torch
+@if [ -n "$(PIN_TORCH)" ] || ! $(BIN)/python tools/torch_check.py $(1) $(TORCH_CONSTRAINTS); then \
+	echo "$(BIN)/python -m pip install -q -r requirements-torch.txt"; \
+	$(BIN)/python -m pip install -q -r requirements-torch.txt && \
+	$(BIN)/python tools/torch_check.py $(1) $(TORCH_CONSTRAINTS); \
+fi
+endef
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml requirements-dev.txt $(TORCH_INPUTS) | $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip setuptools
-	$(BIN)/python -m pip install -q -r requirements-dev.txt
+	$(call keep_or_pin_torch,)
+	$(BIN)/python -m pip install -q -r requirements-dev.txt -c $(TORCH_CONSTRAINTS)
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	# laplace-torch for tests/test_laplace.py, without its dependency on the original BackPACK
 	$(BIN)/python -m pip install -q --no-deps $(LAPLACE_PACKAGES)
@@ -21,7 +41,16 @@ $(STAMP): pyproject.toml requirements-dev.txt
 
 install: $(STAMP)
 
-demo: $(STAMP)
+# the tour needs only the package and matplotlib, not the test requirements
+DEMO_STAMP := $(VENV)/.demo-stamp
+
+$(DEMO_STAMP): pyproject.toml $(TORCH_INPUTS) | $(BIN)/python
+	$(BIN)/python -m pip install -q --upgrade pip setuptools
+	$(call keep_or_pin_torch,--torch-only)
+	$(BIN)/python -m pip install -q --no-build-isolation -e ".[plot]" -c $(TORCH_CONSTRAINTS)
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(BIN)/python -m backpack
 
 test: $(STAMP)
@@ -76,7 +105,7 @@ BENCH_BIN := $(BENCH_VENV)/bin
 install-bench:
 	test -x $(BENCH_BIN)/python || $(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_BIN)/python -m pip install -q --upgrade pip setuptools wheel
-	$(BENCH_BIN)/python -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(BENCH_BIN)/python -m pip install -q -r requirements-torch.txt
 	$(BENCH_BIN)/python -m pip install -q -r benchmarks/requirements-bench.txt
 	# curvlinops depends on the original BackPACK, whose `backpack` would shadow this package
 	-$(BENCH_BIN)/python -m pip uninstall -q -y backpack-for-pytorch

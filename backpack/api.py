@@ -7,9 +7,12 @@ passes run inside it; `disable()` switches recording off.
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -115,7 +118,12 @@ class backpack:  # noqa: N801 (public name of the original API)
             CTX.pop_engine(engine)
             if not engine.idle:
                 _ROOTS.exit()
-            if exc_type is None and engine.extensions and engine.layers_met == 0:
+            if (
+                exc_type is None
+                and engine.extensions
+                and engine.layers_met == 0
+                and engine not in _NOTHING_WARNED
+            ):
                 _warn_nothing_extended(engine)
         self._engine = None
 
@@ -158,6 +166,9 @@ class _BackwardRoots:
         implicit = arguments is not None and all(
             arguments.get(k) is None for k in ("grad_tensors", "grad_variables")
         )
+        # a backward run by another one's backward (reentrant checkpointing) is part of it
+        outermost = torch._C._current_graph_task_id() == -1
+        layers_before = engine.layers_met
         handles = engine.start_backward(roots, implicit)
         derived: list[Tensor] | None = None
         succeeded = False
@@ -170,13 +181,15 @@ class _BackwardRoots:
             else:
                 result = original(tensors, *args, **kwargs)
             succeeded = True
-            return result
         finally:
             for handle in handles:
                 handle.remove()
             engine.end_backward()
             if derived is not None:
                 engine.finish_grads_from_samples(derived, succeeded)
+        if outermost and engine.extensions and engine.layers_met == layers_before:
+            _warn_backward_computed_nothing(engine, roots)
+        return result
 
 
 
@@ -196,27 +209,77 @@ def _backward_arguments(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any] |
 
 _TORCH_BACKWARD = torch.autograd.backward
 _ROOTS = _BackwardRoots()
-_WARNED_NOTHING: list[bool] = []
+#: engines (contexts) that already warned about a backward that computed nothing
+_NOTHING_WARNED: weakref.WeakSet[Engine] = weakref.WeakSet()
+_FIX = (
+    "Call model = backpack.extend(model) before the forward pass, and run loss.backward() "
+    "inside the with-block (docs: 'Good to know', 'A quantity is missing')."
+)
+_TORCH_DIR = Path(torch.__file__).resolve().parent
+
+
+def _caller_stacklevel() -> int:
+    """The `stacklevel` of the first frame outside this module and torch (the user's call)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename != __file__ and not filename.startswith(str(_TORCH_DIR)):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 1
+
+
+def _reached_parameters(roots: list[Tensor], limit: int = 100_000) -> list[Tensor]:
+    """The leaf tensors requiring gradients that a backward from `roots` reaches."""
+    found: dict[int, Tensor] = {}
+    seen: set[int] = set()
+    stack = [root.grad_fn for root in roots if isinstance(root, Tensor)]
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node
+        if isinstance(variable, Tensor):
+            found.setdefault(id(variable), variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return list(found.values())
+
+
+def _warn_backward_computed_nothing(engine: Engine, roots: list[Tensor]) -> None:
+    """Warn: a backward inside a context with extensions met no extended layer.
+
+    The warning fires for every such backward; its text names the parameters reached (their
+    number and shapes), so that Python's default filter shows it once per call site and model
+    instead of on every step of a loop, while a second model still gets its own.
+    """
+    _NOTHING_WARNED.add(engine)
+    parameters = _reached_parameters(roots)
+    shapes = ", ".join(str(list(p.shape)) for p in parameters[:6])
+    if len(parameters) > 6:
+        shapes += ", ..."
+    reached = (
+        f"it reached {len(parameters)} parameter(s) of shape(s) {shapes}, which get .grad only"
+        if parameters
+        else "it reached no parameter"
+    )
+    warnings.warn(
+        f"A backward pass inside backpack({', '.join(map(repr, engine.extensions))}) saw no "
+        f"extended module take part, so it computed nothing ({reached}). {_FIX}",
+        UserWarning,
+        stacklevel=_caller_stacklevel(),
+    )
 
 
 def _warn_nothing_extended(engine: Engine) -> None:
-    """Warn once per process: a context with extensions met no extended layer.
+    """Warn at the end of a context with extensions that computed nothing and had not said so.
 
-    Either no backward ran inside it, or the backward passes that ran went through no extended
-    module other than a loss (typically: `extend(model)` was forgotten).
+    That is: no `backward()` ran inside it (or only `torch.autograd.grad` calls).
     """
-    if _WARNED_NOTHING:
-        return
-    _WARNED_NOTHING.append(True)
-    what = (
-        "no backward pass ran inside it"
-        if engine.passes == 0
-        else "its backward passes went through no extended layer"
-    )
     warnings.warn(
         f"backpack({', '.join(map(repr, engine.extensions))}) saw no extended module take part "
-        f"in a backward pass ({what}), so it computed nothing. Call backpack.extend(model) "
-        "before the forward pass and run loss.backward() inside the with-block.",
+        "in a backward pass, so it computed nothing (a backward pass run after the with-block "
+        f"computes .grad only). {_FIX}",
         UserWarning,
         stacklevel=3,
     )

@@ -12,8 +12,9 @@ intermediate feature dimension must be small enough for a dense `[D, D]` matrix.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,6 +39,27 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: largest per-sample feature dimension for which KFRA forms dense curvature matrices
 MAX_KFRA_DIM = 4096
+
+
+class Planned(Exception):  # noqa: N818 - not an error: KFRA accepted the model
+    """Raised by KFRA inside `plan_only()` once it accepts the model, before computing."""
+
+
+_PLAN_ONLY = [False]
+
+
+@contextlib.contextmanager
+def plan_only() -> Iterator[None]:
+    """Inside: KFRA checks that it accepts the model, then raises `Planned` instead of computing.
+
+    `backpack.verify` uses it to learn whether KFRA refuses a model (and why) where it could
+    not check the result anyway, without forming KFRA's dense matrices.
+    """
+    previous, _PLAN_ONLY[0] = _PLAN_ONLY[0], True
+    try:
+        yield
+    finally:
+        _PLAN_ONLY[0] = previous
 
 
 def _same_edge(a: GradientEdge, b: GradientEdge) -> bool:
@@ -223,6 +245,8 @@ def start_kfra(
     """
     exts = [e for e in state.second_order if e.factor == "sum"]
     steps = _plan(state, loss_record)
+    if _PLAN_ONLY[0]:
+        raise Planned("KFRA accepts the model (plan_only: nothing computed)")
     n = loss_record.args[0].shape[0]
     gbar = sum_hessian()
     roots = _Roots()

@@ -25,6 +25,7 @@ laplace-torch is imported by this module only; `import backpack` never needs it.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
@@ -44,15 +45,20 @@ from backpack.extensions import (
 from backpack.jacobian import jacobians as _jacobians
 
 try:
-    from laplace.baselaplace import ParametricLaplace
-    from laplace.curvature import EFInterface, GGNInterface
-    from laplace.utils import Kron
+    with warnings.catch_warnings():
+        # laplace-torch imports asdfghjkl, which applies `torch.jit.script` at import time and
+        # so triggers torch's deprecation notice: nothing a user of this module can change
+        warnings.filterwarnings("ignore", "`torch.jit.script` is deprecated", FutureWarning)
+        from laplace.baselaplace import ParametricLaplace
+        from laplace.curvature import EFInterface, GGNInterface
+        from laplace.utils import Kron
 except ImportError as error:  # pragma: no cover - exercised only without laplace-torch
     raise ImportError(
         "backpack.laplace needs laplace-torch. Install it without its dependency on the "
         "original BackPACK (whose import name `backpack` would shadow this package): "
-        "`pip install --no-deps laplace-torch` and then its other dependencies, see the docs "
-        "page 'Laplace (laplace-torch)'."
+        "in this package's checkout, `pip install -e \".[laplace]\"` (its other dependencies), "
+        "then `pip install --no-deps laplace-torch==0.3 curvlinops-for-pytorch==3.0.1`; see the "
+        "docs page 'Laplace (laplace-torch)'."
     ) from error
 
 __all__ = ["LaplaceGGN", "LaplaceEF", "EKFACLaplace", "HuggingFaceLogits", "laplace_factors"]
@@ -454,7 +460,7 @@ class EKFACLaplace(ParametricLaplace):
 
     `Laplace(model, likelihood, subset_of_weights="all", hessian_structure="ekfac",
     backend=LaplaceGGN)` selects it (laplace-torch finds every `ParametricLaplace` subclass by
-    its `_key`, once this module is imported). Per parameter the curvature is
+    the structure name it declares, once this module is imported). Per parameter the curvature is
     `H_l = Q_l diag(Λ*_l) Q_lᵀ` with KFAC's eigenbasis `Q_l = Q_G ⊗ Q_A` (or a dense factor's)
     and the corrected eigenvalues `Λ*` (the curvature's own diagonal in that basis), fitted by
     the data-set layer's `EKFAC` over the whole loader (two sweeps, exact data-set factors

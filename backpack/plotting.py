@@ -9,8 +9,9 @@ One row per model, three panels each:
    layer;
 3. the eigenvalues of the Kronecker factors G and A of every layer (from `KFAC`).
 
-matplotlib is optional (``pip install backpack-torch[plot]``) and imported only when drawing. The
-figure is rendered with the Agg canvas directly, so no global backend is switched.
+matplotlib is optional (``pip install matplotlib``, or the ``plot`` extra) and imported only
+when drawing. The figure is rendered with the Agg canvas directly, so no global backend is
+switched.
 """
 
 from __future__ import annotations

@@ -435,41 +435,97 @@ class Reference:
         self.input_moment(module_name)
         return self._cache[("summands", module_name)]
 
-    def kfra_output_factors(self) -> dict[str, Tensor]:
-        """KFRA's factor G of every Linear layer of a `Sequential` model, by its recursion.
+    def kfra_unchecked(self) -> str | None:
+        """Why `kfra_output_factors` cannot cover this model (None: it can), without computing.
 
-        Starting from the batch sum of the loss Hessians, each step backward through a module
-        averages `Jₙᵀ G Jₙ` over the samples, with `Jₙ` the module's Jacobian at sample n.
+        The reference steps through the children of a flat `Sequential` one by one, as
+        backpack's KFRA steps through each module call; other models have no KFRA reference.
+        """
+        if not isinstance(self.model, nn.Sequential):
+            return "the KFRA reference needs a Sequential model"
+        for index, child in enumerate(self.model):
+            if next(child.children(), None) is not None:
+                return f"the KFRA reference needs a flat Sequential ({index} has submodules)"
+        return None
+
+    def kfra_output_factors(self) -> dict[str, Tensor]:
+        """KFRA's factor G of every Linear and convolution layer of a `Sequential`, by recursion.
+
+        Starting from the batch sum of the loss Hessians, each step backward through a child
+        averages `Jₙᵀ Ḡ Jₙ` over the samples, with `Jₙ` the child's Jacobian at sample n (a
+        dense `[D, D]` matrix over one sample's features). A layer's G is Ḡ at its output, with
+        the positions of the output summed out: the diagonal position blocks for Linear layers
+        on sequences (positions act as samples), all position pairs for convolutions (one
+        shift per channel, as KFLR's G). Other parametrized children (norm layers, grouped or
+        transposed convolutions) are steps of the recursion without a factor here.
         """
 
         def compute() -> dict[str, Tensor]:
-            if not isinstance(self.model, nn.Sequential):
-                raise Unchecked("the KFRA reference needs a Sequential model")
+            reason = self.kfra_unchecked()
+            if reason is not None:
+                raise Unchecked(reason)
             inputs, h = [], self.x
             with torch.no_grad():
                 for child in self.model:
                     inputs.append(h)
                     h = child(h)
-            if not isinstance(h, Tensor) or h.dim() != 2:
-                raise Unchecked("the KFRA reference needs 2-D model outputs")
-            n = self.batch_size
             gbar = self.loss_hessians().sum(0)
             factors: dict[str, Tensor] = {}
             first = min(i for i, c in enumerate(self.model) if any(True for _ in c.parameters()))
             for i in range(len(self.model) - 1, first - 1, -1):
                 child = self.model[i]
                 if any(True for _ in child.parameters()):
-                    if not isinstance(child, nn.Linear) or inputs[i].dim() != 2:
-                        raise Unchecked("the KFRA reference handles Linear layers only")
-                    factors[str(i)] = gbar
+                    try:
+                        self._kron_module(str(i))
+                    except Unchecked:
+                        pass  # its check says why
+                    else:
+                        factors[str(i)] = _kfra_layer_factor(child, gbar)
                 if i == first:
                     break
-                jac = vmap(jacrev(lambda a, c=child: c(a[None])[0]))(inputs[i])
-                jac = jac.reshape(n, gbar.shape[0], -1)
-                gbar = torch.einsum("nod,op,npe->de", jac, gbar, jac) / n
+                gbar = _kfra_step(child, inputs[i], gbar)
             return factors
 
         return self._cached(("kfra",), compute)
+
+
+def _kfra_layer_factor(module: nn.Module, gbar: Tensor) -> Tensor:
+    """G of a Linear or convolution layer from Ḡ `[D, D]` over one sample's output features."""
+    if isinstance(module, nn.Linear):
+        channels = module.out_features
+        positions = gbar.shape[0] // channels  # output [*, C]: positions first
+        blocks = gbar.reshape(positions, channels, positions, channels)
+        return torch.diagonal(blocks, dim1=0, dim2=2).sum(-1)
+    channels = module.out_channels  # output [C, *spatial]: channels first
+    positions = gbar.shape[0] // channels
+    return gbar.reshape(channels, positions, channels, positions).sum((1, 3))
+
+
+def _kfra_step(module: nn.Module, inputs: Tensor, gbar: Tensor) -> Tensor:
+    """(1/N) Σₙ Jₙᵀ Ḡ Jₙ for the Jacobian Jₙ of `module` at sample n (flat features)."""
+    n = inputs.shape[0]
+    flat = inputs.reshape(n, -1)
+
+    def one(row: Tensor) -> Tensor:
+        return module(row.reshape(1, *inputs.shape[1:])).reshape(-1)
+
+    def per_sample(fn: Callable[[Tensor], Tensor]) -> Tensor:
+        try:
+            return vmap(fn)(flat)
+        except RuntimeError:  # e.g. norm layers that update running statistics in train mode
+            return torch.stack([fn(row) for row in flat])
+
+    if flat.shape[1] == gbar.shape[0]:
+        # a diagonal Jacobian (elementwise module): J v = d ∘ v, checked with a random v over
+        # the whole batch (which also catches modules that mix the samples)
+        gen = torch.Generator().manual_seed(0)
+        probe = torch.randn(inputs.shape, dtype=inputs.dtype, generator=gen)
+        diag = jvp(module, (inputs,), (torch.ones_like(inputs),))[1].reshape(n, -1)
+        along = jvp(module, (inputs,), (probe,))[1].reshape(n, -1)
+        if torch.allclose(along, diag * probe.reshape(n, -1), rtol=1e-10, atol=0.0):
+            return gbar * (diag.T @ diag) / n
+    jac = per_sample(jacrev(one))  # [N, D_out, D_in]
+    return torch.einsum("nod,op,npe->de", jac, gbar, jac) / n
 
 
 def _patches(module: nn.modules.conv._ConvNd, inputs: Tensor) -> Tensor:
@@ -681,6 +737,7 @@ def kron_check(kind: str) -> Check:
         if attr not in ("weight", "bias"):
             raise Unchecked(f"no Kronecker reference for parameter {attr}")
         if kind == "kfra":
+            ref._kron_module(module_name)  # raises Unchecked with the reason where it has none
             factors = ref.kfra_output_factors()
             if module_name not in factors:
                 raise Unchecked(f"no KFRA reference for {module_name}")
@@ -708,6 +765,8 @@ class ExtensionCheck:
         reference: What the check compares with, in a few words.
         check: Turns the stored value of one parameter into pairs to compare.
         mc: Whether the quantity is a Monte-Carlo estimate (shown, never a failure).
+        unchecked: Says, before the extension runs, why the reference cannot cover a model
+            (None: it may), so that an expensive extension is not computed in vain.
 
     """
 
@@ -717,6 +776,7 @@ class ExtensionCheck:
     reference: str
     check: Check
     mc: bool = False
+    unchecked: Callable[[Reference], str | None] | None = None
 
 
 _PSG = "per-sample loop"
@@ -769,7 +829,14 @@ CHECKS: list[ExtensionCheck] = [
     ExtensionCheck("BatchJacobian", "jac_batch", 2, "∂fₙ/∂θᵢ (jvp)", jacobian_check()),
     ExtensionCheck("KFAC", "kfac", 2, "E[xxᵀ]; G MC {dev} off", kron_check("kfac"), True),
     ExtensionCheck("KFLR", "kflr", 2, "output GGN, E[xxᵀ]", kron_check("kflr")),
-    ExtensionCheck("KFRA", "kfra", 2, "recursion, E[xxᵀ]", kron_check("kfra")),
+    ExtensionCheck(
+        "KFRA",
+        "kfra",
+        2,
+        "recursion, E[xxᵀ]",
+        kron_check("kfra"),
+        unchecked=Reference.kfra_unchecked,
+    ),
     ExtensionCheck(
         "DiagHessian", "diag_h", 2, "∂²ℓ/∂θᵢ² (jvp of jvp)", diag_hessian_check(False)
     ),

@@ -638,7 +638,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "plain autograd in float64 (no backpack involved), times it relative to a plain "
                 "forward+backward, prints one table per model and draws a PNG figure (per-sample "
                 "gradient norms, GGN diagonal vs empirical Fisher, KFAC spectra; needs "
-                "matplotlib: pip install backpack-torch[plot]). Exit code 1 if any checked "
+                "matplotlib: pip install matplotlib). Exit code 1 if any checked "
                 "quantity is off by more than its tolerance.",
                 79,
             )
@@ -699,6 +699,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPU threads for torch (1: the models are tiny, and one thread keeps the timings "
         "steady on a busy machine; 0: torch's default)",
     )
+    # the usage line names the second command too (its options: python -m backpack verify -h)
+    tour_usage = parser.format_usage().removeprefix("usage: ").rstrip()
+    parser.usage = f"{tour_usage}\n       python -m backpack verify [-h] [options] FACTORY"
     return parser
 
 
@@ -838,7 +841,7 @@ def _tour(
     if args.no_plot:
         pass
     elif plot_problem is not None:
-        say(f"Figure skipped: {plot_problem}. Get it with: pip install backpack-torch[plot]")
+        say(f"Figure skipped: {plot_problem}. Get it with: pip install matplotlib")
     else:
         from backpack.plotting import plot_tour
 

@@ -10,7 +10,8 @@ stochastic layers, parameters whose gradient flows outside extended modules, a l
 does not know, an unusual reduction.
 
 From the command line, `python -m backpack verify my_module:make_problem` calls
-`make_problem()`, which returns `(model, lossfunc, X, y)`, and exits with status 1 on a mismatch.
+`make_problem()`, which returns `(model, lossfunc, X, y)`, and exits with status 0 when every
+computed quantity was checked and matches, 1 on a mismatch, 3 when some could not be checked.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from backpack import extensions as _extensions
+from backpack import kfra
 from backpack.api import backpack, extend
 from backpack.extensions.backprop_extension import BackpropExtension
 from backpack.reference import CHECKS, RTOL, ExtensionCheck, Pair, Reference, ShapeError, Unchecked
@@ -113,6 +115,21 @@ class VerifyReport:
     def complete(self) -> bool:
         """Whether every quantity computed was checked (or is a Monte-Carlo estimate)."""
         return not self.unchecked
+
+    @property
+    def exit_code(self) -> int:
+        """The exit status of `python -m backpack verify` for this report.
+
+        0: OK (every quantity computed was checked and matches), 1: FAIL (a mismatch or an
+        unexpected error), 3: INCOMPLETE or NOTHING CHECKED (no mismatch, but something
+        computed could not be checked, or nothing could be compared at all). 2 is left to
+        usage errors and problems `verify` cannot take.
+        """
+        if self.failed:
+            return 1
+        if self.unchecked or not self.checked:
+            return 3
+        return 0
 
     def summary(self) -> str:
         """One line: how many checked quantities match."""
@@ -466,7 +483,10 @@ def verify(
     if isinstance(loss_copy, nn.Module):
         extend(loss_copy)
     for check, make in chosen:
-        row = _run_one(check, make, work, loss_copy, x, y, reference, tolerance, seed)
+        skip = None
+        if check is not None and check.unchecked is not None and reference is not None:
+            skip = check.unchecked(reference)
+        row = _run_one(check, make, work, loss_copy, x, y, reference, tolerance, seed, skip)
         report.rows.append(row)
     cause = _function_loss_cause(lossfunc, report.rows)
     if cause is not None:
@@ -484,7 +504,14 @@ def _run_one(
     reference: Reference | None,
     tolerance: float,
     seed: int,
+    skip: str | None = None,
 ) -> VerifyRow:
+    """Run one extension and compare what it stores with the reference.
+
+    With `skip` (why the reference cannot check it on this model), the extension is not
+    computed: KFRA only checks whether it accepts the model (an "n/a" row if not), since its
+    dense matrices can take long; any other extension is not run at all.
+    """
     ext = make()
     name = check.name if check is not None else type(ext).__name__
     row = VerifyRow(name, ext.savefield, check.reference if check else "", tolerance=tolerance)
@@ -497,10 +524,16 @@ def _run_one(
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.manual_seed(seed)
+        if skip is not None and name != "KFRA":
+            row.status, row.note = "unchecked", f"skipped: {skip}"
+            return row
         try:
             loss = lossfunc(model(x), y)
-            with backpack(ext):
+            with backpack(ext), kfra.plan_only() if skip else contextlib.nullcontext():
                 loss.backward()
+        except kfra.Planned:
+            row.status, row.note = "unchecked", f"skipped (not computed): {skip}"
+            return row
         except NotImplementedError as error:
             row.status, row.note = "n/a", _first_sentence(error)
             return row
@@ -642,16 +675,27 @@ def load_factory(spec: str) -> Callable[[], Any]:
     return factory
 
 
+#: the exit statuses of `python -m backpack verify`, as its --help lists them
+EXIT_STATUS_HELP = """exit status:
+  0  OK: every quantity computed was checked and matches float64 autograd
+  1  FAIL: a quantity mismatches (or an extension failed with an unexpected error)
+  2  bad arguments, or a problem verify cannot take (e.g. a model returning a tuple)
+  3  INCOMPLETE: no mismatch, but some quantity could not be checked (no reference
+     for this model); also NOTHING CHECKED: no quantity could be compared at all"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line of `python -m backpack verify`."""
     parser = argparse.ArgumentParser(
         prog="python -m backpack verify",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description=textwrap.fill(
             "Check backpack's quantities on your model against float64 autograd. FACTORY names "
             "a function (module:function or path/to/file.py:function) that returns "
-            "(model, lossfunc, X, y). Exit status 1 if any quantity mismatches.",
+            "(model, lossfunc, X, y).",
             79,
         ),
+        epilog=EXIT_STATUS_HELP,
     )
     parser.add_argument("factory", metavar="FACTORY", help="module:function returning the problem")
     parser.add_argument(
@@ -674,7 +718,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None, stream: TextIO | None = None) -> int:
-    """Run `verify` on the problem a factory returns; 0 if all match, 1 otherwise."""
+    """Run `verify` on the problem a factory returns; the exit status (`EXIT_STATUS_HELP`)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     out = sys.stdout if stream is None else stream
@@ -706,7 +750,7 @@ def main(argv: Sequence[str] | None = None, stream: TextIO | None = None) -> int
         print(f"python -m backpack verify: error: {error}", file=out)
         return 2
     print(report, file=out)
-    return 0 if report.ok else 1
+    return report.exit_code
 
 
 __all__ = ["VerifyReport", "VerifyRow", "format_report", "main", "verify"]

@@ -80,7 +80,7 @@ def test_memory_cleanup_removes_hook_io_attributes():
 # --------------------------------------------------------------------------------------------
 # CTX.remove_hooks and re-extending
 # --------------------------------------------------------------------------------------------
-# the forgotten-extend hint (once per process, so not asserted here): the hooks are removed
+# the forgotten-extend warning (asserted in test_engine_training_loops): the hooks are removed
 @pytest.mark.filterwarnings("ignore:.*saw no extended module take part:UserWarning")
 def test_remove_hooks_then_reextend():
     from backpack.context import CTX

@@ -95,7 +95,7 @@ def test_errors_do_not_hang(tmp_path):
     assert_passed(spawn("errors", 2, tmp_path))
 
 
-# the forgotten-extend hint (once per process, so not asserted here): nothing is extended
+# the forgotten-extend warning (asserted in test_engine_training_loops): nothing is extended
 @pytest.mark.filterwarnings("ignore:.*saw no extended module take part:UserWarning")
 def test_without_torch_distributed():
     """Not initialised: sync=None does nothing, sync=True says what is missing."""

@@ -170,3 +170,99 @@ def test_table_lists_layers_registered_by_name(table):
     assert names["torch.nn.LSTM"][2] == "✓"
     for name in standard_forward_names():
         assert f"`{name}`" in table
+
+
+#: sections of Google-style docstrings, whose indented items are not code blocks
+_SECTIONS = {"Args:", "Returns:", "Raises:", "Yields:", "Attributes:", "Example:", "Examples:"}
+#: private names a public docstring may mention: the method subclasses implement
+_PRIVATE_ALLOWED = {"_matmat"}
+
+
+def _api_objects():
+    """Every public function, class and method on the API reference pages (docs/api)."""
+    import importlib
+    import inspect
+
+    targets = []
+    for page in (DOCS / "api").glob("*.md"):
+        targets += re.findall(r"^::: ([\w.]+)", page.read_text(), flags=re.M)
+    for target in targets:
+        try:
+            module = importlib.import_module(target)
+            members = [
+                (name, obj)
+                for name, obj in vars(module).items()
+                if not name.startswith("_")
+                and getattr(obj, "__module__", None) == module.__name__
+                and (inspect.isfunction(obj) or inspect.isclass(obj))
+            ]
+        except ModuleNotFoundError:
+            parent, _, name = target.rpartition(".")
+            members = [(name, getattr(importlib.import_module(parent), name))]
+        for name, obj in members:
+            yield f"{target}.{name}", obj
+            if inspect.isclass(obj):
+                for attr, member in vars(obj).items():
+                    if not attr.startswith("_") and (
+                        inspect.isfunction(member) or isinstance(member, property)
+                    ):
+                        yield f"{target}.{name}.{attr}", member
+
+
+def test_api_docstrings_render_as_prose():
+    """No private helper named, no indented paragraph (Markdown would make it a code block)."""
+    import inspect
+
+    found = []
+    for name, obj in _api_objects():
+        doc = inspect.cleandoc(obj.__doc__ or "")
+        for private in set(re.findall(r"`(_[A-Za-z]\w*)`", doc)) - _PRIVATE_ALLOWED:
+            found.append(f"{name}: names the private {private}")
+        lines, section = doc.splitlines(), False
+        for i, line in enumerate(lines):
+            if line and not line.startswith(" "):
+                section = line.strip() in _SECTIONS
+            if line.startswith("    ") and not lines[i - 1].strip() and not section:
+                found.append(f"{name}: indented block {line.strip()[:40]!r}")
+    assert not found, "\n".join(found)
+
+
+def test_gpt2_snippet_builds_its_model_without_warnings():
+    """The Hugging Face page's GPT-2: a small vocabulary with token ids inside it."""
+    pytest.importorskip("transformers")
+    import logging
+
+    text = (DOCS / "hugging-face.md").read_text()
+    blocks = re.findall(r"^```py\n(.*?)^```", text, flags=re.S | re.M)
+    block = next(b for b in blocks if "GPT2Config" in b)
+    setup = block[: block.index(".eval()") + len(".eval()")]
+    messages = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("transformers")  # transformers logs to its own handler
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            namespace = {}
+            exec(compile(setup, "hugging-face.md", "exec"), namespace)  # noqa: S102
+    finally:
+        logger.removeHandler(handler)
+    assert namespace["gpt"].config.vocab_size == 1000
+    assert not messages, messages
+
+
+def test_curvature_page_starts_with_what_a_user_reaches_for():
+    text = (DOCS / "curvature.md").read_text()
+    headings = re.findall(r"^## (.+)$", text, flags=re.M)
+    assert headings[0] == "What do you need?", headings
+    opening = text[: text.index("## The data-set loss")]
+    for task in ("Curvature of a loader", "Top eigenvalues", "Trace", "Laplace", "Influence"):
+        assert f"\n### {task}\n" in opening, task
+    assert len(opening.splitlines()) < 130  # the reference follows, not precedes
+    # sweeps on several processes have a page of their own
+    assert "fully_shard" not in text and "](curvature-distributed.md)" in text
+    distributed = (DOCS / "curvature-distributed.md").read_text()
+    assert distributed.startswith("# Distributed sweeps") and "fully_shard" in distributed
+    for page in DOCS.glob("*.md"):
+        assert "curvature.md#distributed-sweeps" not in page.read_text(), page.name

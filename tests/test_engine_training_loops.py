@@ -309,28 +309,74 @@ def test_modules_returning_their_input_are_part_of_the_chain(identity):
         close(p.diag_h, ref.diag(ref.hessian, name))
 
 
-def test_context_without_extended_modules_warns_once():
-    from backpack import api as engine
+def _nothing_computed_warnings(record):
+    return [w for w in record if "computed nothing" in str(w.message)]
 
-    engine._WARNED_NOTHING.clear()
-    model = nn.Linear(3, 2)
-    with pytest.warns(UserWarning, match="no extended module take part"):
+
+def test_every_model_without_extended_modules_warns():
+    """A second non-extended model in the same process warns too (it used to fail silently)."""
+    for width in (2, 5):  # two different models, one after the other
+        model = nn.Linear(3, width)
+        loss = nn.functional.cross_entropy(model(torch.randn(4, 3)), torch.zeros(4).long())
+        with pytest.warns(UserWarning, match=r"computed nothing.*extend\(model\)"):
+            with backpack(DiagGGNExact()):
+                loss.backward()
+        assert not hasattr(model.weight, "diag_ggn_exact")
+
+
+def test_the_warning_names_what_the_backward_reached():
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    with pytest.warns(UserWarning) as record:
         with backpack(BatchGrad()):
-            model(torch.randn(4, 3)).sum().backward()
+            model(torch.randn(5, 3)).sum().backward()
+    (warning,) = _nothing_computed_warnings(record)
+    text = str(warning.message)
+    assert "backpack(BatchGrad())" in text
+    assert "4 parameter(s) of shape(s)" in text and "[4, 3]" in text and "[2, 4]" in text
+    assert warning.filename == __file__  # points at the user's backward call
+
+
+def test_a_loop_without_extended_modules_warns_once_per_call_site():
+    """Python's default filter shows the warning once for a loop, not on every step."""
+    model = nn.Linear(3, 2)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("default")
+        for _ in range(4):
+            with backpack(BatchGrad()):
+                model(torch.randn(4, 3)).sum().backward()
+    assert len(_nothing_computed_warnings(record)) == 1
+
+
+def test_backward_after_the_context_warns_at_its_end():
+    model = extend(nn.Linear(3, 2))
+    loss = model(torch.randn(4, 3)).sum()
+    with pytest.warns(UserWarning, match=r"with-block computes \.grad only"):
+        with backpack(BatchGrad()):
+            pass
+    loss.backward()
+    assert not hasattr(model.weight, "grad_batch")
+
+
+def test_no_warning_where_extended_modules_take_part():
+    """Backward passes through extended modules, reentrant checkpoints of plain functions."""
+    first, second = extend(nn.Linear(3, 4)), extend(nn.Linear(4, 2))
+    x = torch.randn(5, 3)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with backpack(BatchGrad()):
-            model(torch.randn(4, 3)).sum().backward()
-    assert not hasattr(model.weight, "grad_batch")
+        with backpack(BatchGrad()):  # the inner backward of the checkpoint meets no layer
+            hidden = checkpoint(torch.tanh, first(x), use_reentrant=True)
+            nn.functional.cross_entropy(second(hidden), torch.zeros(5).long()).backward()
+        with backpack(DiagGGNExact()):
+            nn.functional.cross_entropy(second(first(x)), torch.zeros(5).long()).backward()
+        with backpack():  # no extensions asked: nothing to warn about
+            nn.Linear(3, 2)(x).sum().backward()
+    assert first.weight.grad_batch.shape == (5, 4, 3)
 
 
 @pytest.mark.parametrize("loss", ["module", "function", "extended module"])
 @pytest.mark.parametrize("extension", [BatchGrad, DiagGGNExact])
 def test_backward_through_an_unextended_model_warns(loss, extension):
     """Forgetting `extend(model)`: the loss is recognised, but no layer takes part."""
-    from backpack import api
-
-    api._WARNED_NOTHING.clear()
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
     lossfunc = {
         "module": nn.CrossEntropyLoss(),
@@ -338,7 +384,7 @@ def test_backward_through_an_unextended_model_warns(loss, extension):
         "extended module": extend(nn.CrossEntropyLoss()),
     }[loss]
     out = model(torch.randn(5, 3))
-    with pytest.warns(UserWarning, match=r"no extended layer.*extend\(model\)"):
+    with pytest.warns(UserWarning, match=r"computed nothing.*extend\(model\)"):
         with backpack(extension()):
             lossfunc(out, torch.randint(0, 2, (5,))).backward()
     assert not hasattr(model[0].weight, extension().savefield)

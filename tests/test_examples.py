@@ -28,16 +28,7 @@ SMALL = {
     "example_diag_ggn_resnet": ["--batch-size", "3", "--channels", "2", "--entries", "4"],
     "example_per_sample_clipping": ["--batch-size", "6", "--hidden", "5", "--steps", "2"],
     "example_kfac_optimizer": ["--batch-size", "8", "--hidden", "4"],
-    "example_diag_laplace": [
-        "--batch-size",
-        "16",
-        "--hidden",
-        "4",
-        "--train-steps",
-        "3",
-        "--samples",
-        "3",
-    ],
+    "example_diag_laplace": ["--batch-size", "16", "--hidden", "4", "--train-steps", "3"],
     "example_gradient_snr": ["--batch-size", "5", "--channels", "2"],
     "example_influence_digits": [
         "--train",
@@ -178,6 +169,18 @@ def test_laplace_tunes_the_prior_on_validation_digits_and_says_so(capsys):
         assert (variance <= 1 / tau + 1e-7).all()
     # the comparison with MAP is explained either way
     assert "-> " in out and "test NLL" in out
+    # the posterior of the training prior comes first, then the tuned one
+    assert out.index("posterior at the training prior") < out.index("posterior at the tuned")
+
+
+def test_laplace_posterior_of_the_training_prior_shrinks_where_the_data_dominate(capsys):
+    """The default MAP network: the data pin down many parameters (it used to show none)."""
+    result = load("example_diag_laplace").main(["--train-steps", "200"])
+    out = capsys.readouterr().out
+    assert result["shrunk_at_training_prior"] > 0.2, out
+    assert "the data shrink" in out
+    if result["prior_precision"] > 0.5:  # tuned far above the GGN: the script says why
+        assert "why the tuned τ outweighs every GGN entry" in out
 
 
 @pytest.mark.slow

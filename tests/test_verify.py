@@ -71,6 +71,85 @@ def test_verify_passes_kfra_on_branching_models(problem_id):
     model, x, lossfunc, y = problem.build()
     report = backpack.verify(model, lossfunc, x, y, extensions="KFRA")
     assert report.ok, str(report)
+    assert report.rows[0].status == "n/a" and "chain" in report.rows[0].note, str(report)
+
+
+def _cnn():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(1, 2, 3),
+        nn.ReLU(),
+        nn.Conv2d(2, 3, 3, padding=1),
+        nn.Tanh(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(12, 4),
+        nn.Sigmoid(),
+        nn.Linear(4, 3),
+    ).to(DTYPE)
+    x, y = torch.randn(6, 1, 6, 6, dtype=DTYPE), torch.randint(0, 3, (6,))
+    return model, nn.CrossEntropyLoss(), x, y
+
+
+def test_verify_checks_kfra_on_convolutions_and_pooling():
+    """KFRA's factors of every layer of a CNN are checked (they used to be 'unchecked')."""
+    model, lossfunc, x, y = _cnn()
+    report = backpack.verify(model, lossfunc, x, y, extensions="KFRA")
+    (row,) = report.rows
+    assert row.status == "ok" and not row.partial, str(report)
+    assert report.complete and report.exit_code == 0
+
+
+def test_verify_kfra_fails_on_wrong_convolution_factors(monkeypatch):
+    from backpack.rules.conv import ConvRule
+
+    original = ConvRule.kron_factors
+
+    def broken(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        return {k: [1.01 * v[0], *v[1:]] for k, v in result.items()}
+
+    monkeypatch.setattr(ConvRule, "kron_factors", broken)
+    model, lossfunc, x, y = _cnn()
+    report = backpack.verify(model, lossfunc, x, y, extensions="KFRA")
+    assert report.rows[0].status == "FAIL", str(report)
+    assert report.rows[0].error == pytest.approx(0.01, rel=1e-6)
+
+
+class _FunctionalChain(nn.Module):
+    """A chain KFRA accepts, but not a Sequential: no KFRA reference."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 3), nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x)))
+
+
+def test_verify_skips_kfra_it_cannot_check_without_computing_it(monkeypatch):
+    from backpack import kfra
+
+    computed = []
+    for name in ("_matrix_sqrt", "_module_step", "_sandwich"):
+        original = getattr(kfra, name)
+        monkeypatch.setattr(
+            kfra, name, lambda *a, _f=original, _n=name, **k: computed.append(_n) or _f(*a, **k)
+        )
+    torch.manual_seed(0)
+    model = _FunctionalChain().to(DTYPE)
+    x, y = torch.randn(6, 4, dtype=DTYPE), torch.randint(0, 2, (6,))
+    report = backpack.verify(model, nn.CrossEntropyLoss(), x, y, extensions="BatchGrad,KFRA")
+    row = report.rows[1]
+    assert row.status == "unchecked", str(report)
+    assert row.note == "skipped (not computed): the KFRA reference needs a Sequential model"
+    assert computed == []  # no dense matrix was formed
+    assert report.summary().startswith("INCOMPLETE") and report.exit_code == 3
+    # outside verify, the same model gets its factors
+    backpack.extend(model)
+    with backpack.backpack(backpack.extensions.KFRA()):
+        nn.CrossEntropyLoss()(model(x), y).backward()
+    assert computed and model.first.weight.kfra[0].shape == (3, 3)
 
 
 def _mlp():
@@ -234,6 +313,22 @@ FACTORY = textwrap.dedent(
     def batchnorm_train():
         model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
         return model, nn.CrossEntropyLoss(), torch.randn(6, 4), torch.randint(0, 2, (6,))
+
+    def embedding():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(5, 3), nn.Flatten(), nn.Linear(6, 2))
+        return model, nn.CrossEntropyLoss(), torch.randint(0, 5, (6, 2)), torch.randint(0, 2, (6,))
+
+    class TwoBranches(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 3), nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.a(x) + self.b(x)
+
+    def branching():
+        return TwoBranches(), nn.MSELoss(), torch.randn(6, 4), torch.randn(6, 3)
     """
 )
 
@@ -254,6 +349,23 @@ def test_command_line(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as info:
         main(["my_problems:good", "--extensions", "Foo"])
     assert info.value.code == 2
+    # INCOMPLETE has an exit status of its own: no Kronecker reference for the embedding
+    out = io.StringIO()
+    assert main(["my_problems:embedding", "--extensions", "BatchGrad,KFLR"], stream=out) == 3
+    assert "INCOMPLETE" in out.getvalue()
+    out = io.StringIO()  # NOTHING CHECKED: KFRA refuses the branching model
+    assert main(["my_problems:branching", "--extensions", "KFRA"], stream=out) == 3
+    assert "NOTHING CHECKED" in out.getvalue()
+
+
+def test_command_line_help_lists_the_exit_statuses(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    assert "exit status:" in text
+    for line in ("0  OK:", "1  FAIL:", "2  bad arguments", "3  INCOMPLETE:"):
+        assert line in text, line
 
 
 def test_module_entry_point_dispatches_verify(tmp_path, monkeypatch, capsys):

@@ -500,7 +500,7 @@ class EKFAC(CurvatureOperator):
     `R Σ_r (q_kᵀ u_r)²` with `R` the reduction factor (`1/ν` or 1). Cost: one sweep for the
     Kronecker factors (as `KFAC`), their eigendecompositions, and one sweep for the corrected
     eigenvalues (per batch: a diagonal of the rotated `nn.Linear` weights and of convolution
-    weights in their eigenbases, see `_correct`, and for other blocks the rows and two small
+    weights in their eigenbases, and for other blocks the rows and two small
     matrix products per block). Everything else
     is closed-form in the eigenbases and the corrected eigenvalues.
     """

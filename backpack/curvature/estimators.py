@@ -157,15 +157,15 @@ def _leave_one_out(op: Any, num_matvecs: int, seed: int, distribution: str):
 def xtrace(op: Any, num_matvecs: int, seed: int = 0, return_std: bool = False) -> Any:
     """XTrace (Epperly, Tropp and Webber, 2024): an exchangeable estimate of `tr(A)`.
 
-    Every test vector serves both as a sketch of A's range and as a Hutchinson probe, in turn:
-    with `s = num_matvecs // 2` Gaussian test vectors and `Q_(i)` an orthonormal basis of the
-    range of `A ω_j`, `j ≠ i` (see `_leave_one_out`),
+    Every test vector serves both as a sketch of A's range and as a Hutchinson probe, in turn.
+    With `s = num_matvecs // 2` Gaussian test vectors `ω_1, …, ω_s`, let `Q_(i)` be an
+    orthonormal basis of the range of the products `A ω_j` with `j ≠ i` (all but the i-th),
+    `Π_i = I − Q_(i) Q_(i)ᵀ` the projection onto its complement, of rank `d_i = P − rank(Q_(i))`,
+    and `x_i = √d_i · Π_i ω_i / ‖Π_i ω_i‖`. The estimate is the mean over i of
+    `t_i = tr(Q_(i)ᵀ A Q_(i)) + x_iᵀ A x_i`.
 
-        `t_i = tr(Q_(i)ᵀ A Q_(i)) + x_iᵀ A x_i`,  `x_i = √d_i · Π_i ω_i / ‖Π_i ω_i‖`,
-
-    with `Π_i = I − Q_(i) Q_(i)ᵀ` of rank `d_i = P − rank(Q_(i))`, and the estimate is the mean of
-    the `t_i`. Since `ω_i` is independent of `Q_(i)` and `x_i` is uniform on the sphere of radius
-    `√d_i` in `Π_i`'s range (`E[x_i x_iᵀ] = Π_i`), each `t_i` is unbiased: `E[x_iᵀ A x_i] =
+    Since `ω_i` is independent of `Q_(i)` and `x_i` is uniform on the sphere of radius `√d_i` in
+    `Π_i`'s range (`E[x_i x_iᵀ] = Π_i`), each `t_i` is unbiased: `E[x_iᵀ A x_i] =
     tr(Π_i A Π_i) = tr(A) − tr(Q_(i)ᵀ A Q_(i))`. It is exact (up to rounding) once A's rank is at
     most `s − 1` (then `Π_i A = 0`), and for a decaying spectrum the error falls like Hutch++'s,
     with a smaller constant (every vector feeds the low-rank part).
@@ -212,16 +212,14 @@ def xdiag(op: Any, num_matvecs: int, seed: int = 0, distribution: str = "rademac
     """An exchangeable estimate of `diag(A)`, in the spirit of XDiag (Epperly, Tropp, Webber).
 
     As `xtrace`, each of the `s = num_matvecs // 2` test vectors is used in turn as the probe
-    while the others sketch A's range: with `Q_(i)` the orthonormal basis of the range of
-    `A ω_j`, `j ≠ i`,
+    while the others sketch A's range. With `Q_(i)` the orthonormal basis of the range of the
+    products `A ω_j` with `j ≠ i`, the estimate is the mean over i of
+    `d_i = diag(Q_(i) Q_(i)ᵀ A) + ω_i ⊙ (I − Q_(i) Q_(i)ᵀ) A ω_i`.
 
-        `d_i = diag(Q_(i) Q_(i)ᵀ A) + ω_i ⊙ (I − Q_(i) Q_(i)ᵀ) A ω_i`,
-
-    and the estimate is the mean of the `d_i`. The first term is computed exactly; the second is
-    Hutchinson's diagonal estimator of `(I − Q_(i)Q_(i)ᵀ) A`, unbiased because `ω_i` is independent
-    of `Q_(i)`. So the estimate is unbiased, exact (up to rounding) once A's rank is at most
-    `s − 1`, and for a decaying spectrum far more accurate than `hutchinson_diagonal` with as
-    many products.
+    The first term is computed exactly; the second is Hutchinson's diagonal estimator of
+    `(I − Q_(i)Q_(i)ᵀ) A`, unbiased because `ω_i` is independent of `Q_(i)`. So the estimate is
+    unbiased, exact (up to rounding) once A's rank is at most `s − 1`, and for a decaying
+    spectrum far more accurate than `hutchinson_diagonal` with as many products.
 
     Args:
         op: A symmetric operator or dense matrix `[P, P]`.
