@@ -23,6 +23,7 @@ from backpack.custom_module.graph_utils import convert_module_to_backpack
 from backpack.engine import Engine
 from backpack.extensions.backprop_extension import BackpropExtension
 from backpack.recording import disable, hook_modules, memory_cleanup
+from backpack.rules import find_rule
 
 __all__ = ["backpack", "extend", "disable", "memory_cleanup"]
 
@@ -43,7 +44,12 @@ def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) 
     """
     if use_converter:
         module = convert_module_to_backpack(module, debug)
-    return hook_modules(module, debug)
+    module = hook_modules(module, debug)
+    for submodule in module.modules():
+        # rules registered by a class's qualified name take the class in when first looked up,
+        # and with it what the forward hooks need to know (`ModuleRule.on_class_resolved`)
+        find_rule(submodule)
+    return module
 
 
 class backpack:  # noqa: N801 (public name of the original API)
