@@ -1,0 +1,181 @@
+"""Every problem of the shared table (tests/problems) as a data set swept in uneven batches.
+
+`case(problem)` builds the problem's float64 model, loss and data, splits the data along its
+sample axis into uneven batches (3, 2, 2, ... samples) and computes brute-force references of
+the data-set loss (the problem's whole data as one batch) with plain autograd and torch.func,
+without backpack:
+
+- the GGN `Jᵀ (∇²_f L) J`, J the Jacobian of the whole output by reverse mode (`jacrev`);
+- the Hessian by double backward (`jacrev` of `jacrev`);
+- the empirical Fisher `R Σ_n ∇ℓ_n ∇ℓ_nᵀ`, ℓ_n sample n's unreduced loss and `R` the loss's
+  reduction factor (`L_mean / Σ_n ℓ_n`, 1 for "sum").
+
+Reverse mode defines the references: a parameter entry that autograd treats as constant (an
+embedding's padding row) has zero rows and columns in all three.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from problems import ALL_PROBLEMS, Problem, per_sample_losses
+from torch import Tensor, nn
+from torch.func import functional_call, jacrev
+
+
+def batch_sizes(n: int) -> list[int]:
+    """Uneven sizes summing to n, at least two batches: 7 → 3, 2, 2; 4 → 3, 1; 3 → 2, 1."""
+    if n <= 3:
+        return [n - 1, 1]
+    sizes, left = [3], n - 3
+    while left > 0:
+        sizes.append(min(2, left))
+        left -= sizes[-1]
+    return sizes
+
+
+def _sample_axis(model: nn.Module, x: Tensor, out: Tensor) -> int:
+    """The axis of `x` that holds the samples (the output's first axis)."""
+    n = out.shape[0]
+    candidates = [a for a in range(x.dim()) if x.shape[a] == n]
+    assert candidates, f"no input axis of size {n}"
+    if len(candidates) == 1:
+        return candidates[0]
+    for axis in candidates:  # several: the one whose first sample alone gives the first row
+        try:
+            with torch.no_grad():
+                one = model(x.narrow(axis, 0, 1))
+        except (RuntimeError, ValueError, IndexError):
+            continue
+        if one.shape[1:] == out.shape[1:] and torch.allclose(one[0], out[0], atol=1e-10):
+            return axis
+    return candidates[0]
+
+
+@dataclass
+class Case:
+    """A problem of the table as a data set: model, loss, batches and brute-force references."""
+
+    problem: Problem
+    model: nn.Module
+    lossfunc: nn.Module
+    x: Tensor
+    y: Tensor
+    axis: int
+    sizes: list[int]
+    names: list[str]
+    shapes: list[torch.Size]
+    ggn: Tensor
+    hessian: Tensor
+    empirical_fisher: Tensor
+    gradient: Tensor
+
+    @property
+    def batches(self) -> list[tuple[Tensor, Tensor]]:
+        """`(X_b, y_b)` in uneven batches (fresh tensors: a model may modify its input)."""
+        out, start = [], 0
+        for size in self.sizes:
+            X = self.x.narrow(self.axis, start, size).clone()
+            out.append((X, self.y[start : start + size].clone()))
+            start += size
+        return out
+
+    @property
+    def num_samples(self):
+        """`num_samples=` for the sweeps (None: the samples are on the inputs' first axis)."""
+        axis = self.axis
+        return None if axis == 0 else (lambda X: X.shape[axis])
+
+    @property
+    def reduction(self) -> str:
+        return self.lossfunc.reduction
+
+    def fresh(self) -> tuple[nn.Module, nn.Module]:
+        """The problem's model and loss built anew (same values): extensions stay off ours."""
+        model, _, lossfunc, _ = self.problem.build()
+        return model, lossfunc
+
+
+def _sum_loss(lossfunc: nn.Module) -> nn.Module:
+    summed = copy.deepcopy(lossfunc)
+    summed.reduction = "sum"
+    return summed
+
+
+def build_case(problem: Problem) -> Case:
+    """The problem's model, loss, data, uneven batches and brute-force references."""
+    model, x, lossfunc, y = problem.build()
+    with torch.no_grad():
+        out = model(x.clone())
+    axis = _sample_axis(model, x, out)
+    sizes = batch_sizes(out.shape[0])
+    try:  # a model with a buffer of N rows (a padding mask) takes only the whole data
+        with torch.no_grad():
+            parts = [
+                model(x.narrow(axis, s, n).clone())
+                for s, n in zip([0, *torch.tensor(sizes).cumsum(0)[:-1].tolist()], sizes)
+            ]
+        separable = torch.allclose(torch.cat(parts), out, atol=1e-10)
+    except (RuntimeError, ValueError, IndexError, AssertionError):
+        separable = False
+    if not separable:
+        sizes = [out.shape[0]]
+    named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
+    names = [k for k, _ in named]
+    shapes = [p.shape for _, p in named]
+    theta = torch.cat([p.detach().flatten() for _, p in named])
+
+    def params(flat: Tensor) -> dict[str, Tensor]:
+        pieces = flat.split([s.numel() for s in shapes])
+        return {k: t.reshape(s) for k, t, s in zip(names, pieces, shapes)}
+
+    def f(flat: Tensor) -> Tensor:
+        return functional_call(model, params(flat), (x.clone(),))
+
+    def loss(flat: Tensor) -> Tensor:
+        return lossfunc(f(flat), y)
+
+    with torch.backends.cudnn.flags(enabled=False):
+        output = f(theta).detach()
+        jac = jacrev(f)(theta).reshape(output.numel(), -1)
+        out_hessian = jacrev(jacrev(lambda o: lossfunc(o.reshape(output.shape), y)))(
+            output.flatten()
+        )
+        ggn = jac.T @ out_hessian @ jac
+        hessian = jacrev(jacrev(loss))(theta)
+        summed = _sum_loss(lossfunc)
+        grads = jacrev(lambda t: per_sample_losses(summed, f(t), y))(theta)  # [N, P]
+        factor = float(lossfunc(output, y) / summed(output, y))
+        gradient = jacrev(loss)(theta)
+    return Case(
+        problem,
+        model,
+        lossfunc,
+        x,
+        y,
+        axis,
+        sizes,
+        names,
+        shapes,
+        ggn,
+        hessian,
+        factor * grads.T @ grads,
+        gradient,
+    )
+
+
+@functools.cache
+def case(problem_id: str) -> Case:
+    """The (cached) case of the table's problem `problem_id`."""
+    return build_case(next(p for p in ALL_PROBLEMS if p.id == problem_id))
+
+
+def close(actual: Tensor, expected: Tensor, msg: Any = "") -> None:
+    """Equal up to float64 rounding of small problems (relative to the larger entries)."""
+    assert actual.shape == expected.shape, (msg, actual.shape, expected.shape)
+    scale = max(float(expected.abs().max()), 1.0)
+    torch.testing.assert_close(actual, expected, rtol=1e-7, atol=1e-9 * scale, msg=msg)
