@@ -14,11 +14,13 @@ do instead:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from backpack.rules.generic import transformable
 
@@ -174,16 +176,54 @@ def fixed_forward(
 def product_forward(model: nn.Module) -> Iterator[None]:
     """A forward whose graph can be differentiated twice, for the products by autograd.
 
-    torch's kernels without a double backward are avoided (`transformable`: cuDNN's RNNs, fused
-    attention; parametrizations without their state updates), and embeddings with
+    torch's kernels without a double backward are avoided (cuDNN's RNNs, fused attention, also
+    called functionally; parametrizations run without their state updates), and embeddings with
     `sparse=True` give dense gradients (the layout of `.grad` is all the flag changes).
     """
     sparse = [m for m in model.modules() if isinstance(m, _EMBEDDINGS) and m.sparse]
     try:
         for m in sparse:
             m.sparse = False
-        with transformable(model):
+        with transformable(model), sdpa_kernel([SDPBackend.MATH]), _composite_weight_norm(model):
             yield
     finally:
         for m in sparse:
             m.sparse = True
+
+
+def _weight_normed(model: nn.Module) -> bool:
+    from torch.nn.utils.parametrizations import _WeightNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    for m in model.modules():
+        if any(isinstance(h, WeightNorm) for h in m._forward_pre_hooks.values()):
+            return True
+        if isinstance(m, _WeightNorm):
+            return True
+    return False
+
+
+def _twice_differentiable_weight_norm(v: torch.Tensor, g: torch.Tensor, dim: int = 0):
+    """`torch._weight_norm`'s value by its composite formula, whose double backward is right."""
+    return v * (g / torch.norm_except_dim(v, 2, dim))
+
+
+@contextmanager
+def _composite_weight_norm(model: nn.Module) -> Iterator[None]:
+    """Weight normalisation computed by its composite formula inside the block.
+
+    torch's fused kernel (`_weight_norm_interface`, used for dim 0 or the last one) saves the
+    norms as outputs without a derivative: its double backward misses how they depend on `v`,
+    so the Hessian by reverse over reverse is wrong (not even symmetric). The composite formula
+    is the same function, differentiable twice.
+    """
+    if not _weight_normed(model):
+        yield
+        return
+    old_style = sys.modules["torch.nn.utils.weight_norm"]
+    saved = (torch._weight_norm, old_style._weight_norm)
+    torch._weight_norm = old_style._weight_norm = _twice_differentiable_weight_norm
+    try:
+        yield
+    finally:
+        torch._weight_norm, old_style._weight_norm = saved

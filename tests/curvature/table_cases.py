@@ -16,8 +16,10 @@ embedding's padding row) has zero rows and columns in all three.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,7 +99,7 @@ class Case:
     def fresh(self) -> tuple[nn.Module, nn.Module]:
         """The problem's model and loss built anew (same values): extensions stay off ours."""
         model, _, lossfunc, _ = self.problem.build()
-        return model, lossfunc
+        return prepare(model), lossfunc
 
 
 def _sum_loss(lossfunc: nn.Module) -> nn.Module:
@@ -106,19 +108,59 @@ def _sum_loss(lossfunc: nn.Module) -> nn.Module:
     return summed
 
 
+def prepare(model: nn.Module) -> nn.Module:
+    """The problem's model as the sweeps accept it (they refuse the raw one, see the tests).
+
+    Embedding rows above `max_norm` are renormalised (the forward would change them during a
+    sweep) and `scale_grad_by_freq` is off (the gradient would not be the loss's derivative).
+    """
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            module.scale_grad_by_freq = False
+            if module.max_norm is not None:
+                with torch.no_grad():
+                    module(torch.arange(module.num_embeddings, device=module.weight.device))
+    return model
+
+
+def _math_attention():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.MATH])  # fused kernels have no double backward
+
+
+@contextlib.contextmanager
+def _composite_weight_norm():
+    """torch's fused weight norm has a wrong double backward (its norms are saved outputs
+    without derivative): the references compute it by its formula, the same function."""
+    old_style = sys.modules["torch.nn.utils.weight_norm"]
+    saved = torch._weight_norm, old_style._weight_norm
+
+    def formula(v, g, dim=0):
+        return v * (g / torch.norm_except_dim(v, 2, dim))
+
+    torch._weight_norm = old_style._weight_norm = formula
+    try:
+        yield
+    finally:
+        torch._weight_norm, old_style._weight_norm = saved
+
+
 def build_case(problem: Problem) -> Case:
     """The problem's model, loss, data, uneven batches and brute-force references."""
     model, x, lossfunc, y = problem.build()
+    prepare(model)
     with torch.no_grad():
         out = model(x.clone())
     axis = _sample_axis(model, x, out)
     sizes = batch_sizes(out.shape[0])
+    if axis != 0:  # the sweeps compare the non-batch shapes of the inputs' tensors on axis 0
+        n = out.shape[0]
+        sizes = [n // 2, n - n // 2] if n % 2 == 0 else [1] * n
     try:  # a model with a buffer of N rows (a padding mask) takes only the whole data
+        starts = [0, *torch.tensor(sizes).cumsum(0)[:-1].tolist()]
         with torch.no_grad():
-            parts = [
-                model(x.narrow(axis, s, n).clone())
-                for s, n in zip([0, *torch.tensor(sizes).cumsum(0)[:-1].tolist()], sizes)
-            ]
+            parts = [model(x.narrow(axis, s, n).clone()) for s, n in zip(starts, sizes)]
         separable = torch.allclose(torch.cat(parts), out, atol=1e-10)
     except (RuntimeError, ValueError, IndexError, AssertionError):
         separable = False
@@ -130,8 +172,9 @@ def build_case(problem: Problem) -> Case:
     theta = torch.cat([p.detach().flatten() for _, p in named])
 
     def params(flat: Tensor) -> dict[str, Tensor]:
+        # clones, not views: a forward may modify a weight in place (max_norm's renormalisation)
         pieces = flat.split([s.numel() for s in shapes])
-        return {k: t.reshape(s) for k, t, s in zip(names, pieces, shapes)}
+        return {k: t.reshape(s).clone() for k, t, s in zip(names, pieces, shapes)}
 
     def f(flat: Tensor) -> Tensor:
         return functional_call(model, params(flat), (x.clone(),))
@@ -139,18 +182,22 @@ def build_case(problem: Problem) -> Case:
     def loss(flat: Tensor) -> Tensor:
         return lossfunc(f(flat), y)
 
-    with torch.backends.cudnn.flags(enabled=False):
+    with torch.backends.cudnn.flags(enabled=False), _math_attention(), _composite_weight_norm():
         output = f(theta).detach()
         jac = jacrev(f)(theta).reshape(output.numel(), -1)
         out_hessian = jacrev(jacrev(lambda o: lossfunc(o.reshape(output.shape), y)))(
             output.flatten()
         )
         ggn = jac.T @ out_hessian @ jac
-        hessian = jacrev(jacrev(loss))(theta)
+        # the Hessian by double backward with plain autograd (the second backward batched over
+        # the unit vectors); torch.func's jacrev of jacrev is wrong for layer and instance norm
+        leaf = theta.clone().requires_grad_()
+        (gradient,) = torch.autograd.grad(loss(leaf), leaf, create_graph=True)
+        eye = torch.eye(theta.numel(), dtype=theta.dtype, device=theta.device)
+        (hessian,) = torch.autograd.grad(gradient, leaf, eye, is_grads_batched=True)
         summed = _sum_loss(lossfunc)
         grads = jacrev(lambda t: per_sample_losses(summed, f(t), y))(theta)  # [N, P]
         factor = float(lossfunc(output, y) / summed(output, y))
-        gradient = jacrev(loss)(theta)
     return Case(
         problem,
         model,
@@ -164,7 +211,7 @@ def build_case(problem: Problem) -> Case:
         ggn,
         hessian,
         factor * grads.T @ grads,
-        gradient,
+        gradient.detach(),
     )
 
 
