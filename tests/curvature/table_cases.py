@@ -28,6 +28,19 @@ from problems import ALL_PROBLEMS, Problem, per_sample_losses
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev
 
+#: engine limitation: backpack's extensions cannot tell the sample axis of a one-sample batch in
+#: these models (a layer called without a sample axis, or a sequence-first layer whose batch
+#: axis then has size 1): their sweeps avoid single-sample batches (test_single_sample_batches)
+SINGLE_SAMPLE_BATCH_REFUSED = {
+    "mha-residual-inplace-seq-first-mse-mean": "holds no sample axis",
+    "decoder-layer-post-norm-seq-first-mse-mean": "holds no sample axis",
+    "gpt-learned-positions-ce-mean": "along its batch axis",
+    "embedding-relative-bias-t-eq-n": "along its batch axis",
+    "embedding-relative-bias": "along its batch axis",
+}
+#: Hugging Face's RMS norm takes its mean square in float32: curvature float32-accurate only
+FLOAT32_ACCURATE = {"hf-llama-tiny-ce-sum"}
+
 
 def batch_sizes(n: int) -> list[int]:
     """Uneven sizes summing to n, at least two batches: 7 → 3, 2, 2; 4 → 3, 1; 3 → 2, 1."""
@@ -75,6 +88,10 @@ class Case:
     hessian: Tensor
     empirical_fisher: Tensor
     gradient: Tensor
+    #: `[N, P]` gradients of the samples' unreduced losses ℓ_n
+    sample_grads: Tensor
+    #: the loss's reduction factor R (`1/ν` for "mean", 1 for "sum")
+    factor: float
 
     @property
     def batches(self) -> list[tuple[Tensor, Tensor]]:
@@ -95,6 +112,10 @@ class Case:
     @property
     def reduction(self) -> str:
         return self.lossfunc.reduction
+
+    def close(self, actual: Tensor, expected: Tensor, msg: Any = "") -> None:
+        """`close` at this problem's accuracy."""
+        close(actual, expected, msg, float32=self.problem.id in FLOAT32_ACCURATE)
 
     def fresh(self) -> tuple[nn.Module, nn.Module]:
         """The problem's model and loss built anew (same values): extensions stay off ours."""
@@ -154,6 +175,9 @@ def build_case(problem: Problem) -> Case:
         out = model(x.clone())
     axis = _sample_axis(model, x, out)
     sizes = batch_sizes(out.shape[0])
+    if problem.id in SINGLE_SAMPLE_BATCH_REFUSED:
+        n = out.shape[0]
+        sizes = [n - 2, 2] if n > 4 else [n // 2, n - n // 2] if n == 4 else [n]
     if axis != 0:  # the sweeps compare the non-batch shapes of the inputs' tensors on axis 0
         n = out.shape[0]
         sizes = [n // 2, n - n // 2] if n % 2 == 0 else [1] * n
@@ -212,17 +236,21 @@ def build_case(problem: Problem) -> Case:
         hessian,
         factor * grads.T @ grads,
         gradient.detach(),
+        grads,
+        factor,
     )
 
 
-@functools.cache
+@functools.lru_cache(maxsize=2)
 def case(problem_id: str) -> Case:
     """The (cached) case of the table's problem `problem_id`."""
     return build_case(next(p for p in ALL_PROBLEMS if p.id == problem_id))
 
 
-def close(actual: Tensor, expected: Tensor, msg: Any = "") -> None:
-    """Equal up to float64 rounding of small problems (relative to the larger entries)."""
+def close(actual: Tensor, expected: Tensor, msg: Any = "", float32: bool = False) -> None:
+    """Equal up to float64 rounding of small problems (relative to the larger entries), or to
+    float32 rounding (`float32`)."""
     assert actual.shape == expected.shape, (msg, actual.shape, expected.shape)
     scale = max(float(expected.abs().max()), 1.0)
-    torch.testing.assert_close(actual, expected, rtol=1e-7, atol=1e-9 * scale, msg=msg)
+    rtol, atol = (1e-5, 1e-6 * scale) if float32 else (1e-7, 1e-9 * scale)
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=msg)
