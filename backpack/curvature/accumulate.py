@@ -27,6 +27,7 @@ from backpack.curvature._distributed import (
     local_module,
     process_group,
 )
+from backpack.curvature._forward import refuse_unfaithful_gradients
 from backpack.curvature._fsdp import check_kinds as check_fsdp_kinds
 from backpack.curvature._fsdp import is_fully_sharded, sharded_sweep
 from backpack.curvature._quantities import (
@@ -334,6 +335,7 @@ def accumulate(
             write,
             distributed,
         )
+    refuse_unfaithful_gradients(model, "accumulate")
     group = process_group(distributed, "accumulate")
     stream_total = None
     if callback is not None:

@@ -25,7 +25,8 @@ from backpack.core.derivatives import convnd
 from backpack.curvature import _distributed as _dist
 from backpack.curvature._conv_eigen import Bases, eigenbasis_rules, is_target_class
 from backpack.curvature._data import Normaliser, needs_reiterable, reduction_of, trainable
-from backpack.curvature._distributed import rank_of
+from backpack.curvature._distributed import local_module, rank_of
+from backpack.curvature._forward import refuse_unfaithful_gradients
 from backpack.curvature._rows import row_batches
 from backpack.curvature.accumulate import accumulate
 from backpack.curvature.kfac import KFAC
@@ -552,6 +553,7 @@ class EKFAC(CurvatureOperator):
         distributed: bool | None = None,
     ) -> None:
         needs_reiterable(data, "EKFAC")
+        refuse_unfaithful_gradients(local_module(model), "EKFAC")
         kfac = KFAC(
             model,
             lossfunc,

@@ -251,6 +251,6 @@ def close(actual: Tensor, expected: Tensor, msg: Any = "", float32: bool = False
     """Equal up to float64 rounding of small problems (relative to the larger entries), or to
     float32 rounding (`float32`)."""
     assert actual.shape == expected.shape, (msg, actual.shape, expected.shape)
-    scale = max(float(expected.abs().max()), 1.0)
+    scale = max(float(expected.detach().abs().max()), 1.0)
     rtol, atol = (1e-5, 1e-6 * scale) if float32 else (1e-7, 1e-9 * scale)
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=msg)
