@@ -3,8 +3,9 @@
 Every operator is a symmetric `[P, P]` matrix over the trainable parameters, in
 `model.parameters()` order, of the data-set loss (see `backpack.curvature.accumulate`). `op @ V`
 sweeps the data once for all K columns of `V`: per batch, the K products are batched with
-`torch.func` (`vmap` over forward-mode and reverse-mode derivatives) or formed from backpack's
-per-sample quantities.
+`torch.func.vmap` over reverse-mode derivatives of one plain autograd forward (so they
+differentiate what `.grad` differentiates), or formed from backpack's per-sample quantities.
+Every sweep must see one fixed function of the parameters (`backpack.curvature._forward`).
 """
 
 from __future__ import annotations
