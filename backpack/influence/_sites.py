@@ -444,7 +444,7 @@ def recorded_classes(model: nn.Module, per_token: bool) -> tuple[set[type], list
     # a module extension for a class serves its subclasses too: a class with a member that
     # computes something else (its own forward, a parametrized weight) is not recorded at all
     for module in model.modules():
-        if not (is_linear_like(module) or (per_token and supports_positions(module) is None)):
+        if supports_positions(module) is not None:  # not recordable
             classes = {c for c in classes if not isinstance(module, c)}
     return classes, uncovered
 

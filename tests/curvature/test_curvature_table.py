@@ -50,8 +50,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:backpack has no dedicated rule for:UserWarning"),
     pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
     pytest.mark.filterwarnings("ignore:DiagHessian does not support this model:UserWarning"),
-    # influence records a tied weight's uses itself instead of its grad_batch
-    pytest.mark.filterwarnings("ignore:Parameter weight of 'emb':UserWarning"),
 ]
 
 TABLE = ALL_PROBLEMS
