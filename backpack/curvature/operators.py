@@ -326,9 +326,6 @@ class _DataOperator(CurvatureOperator):
     def _scale(self, nu: float) -> float:
         return nu if self.reduction == "mean" else 1.0
 
-    def _params(self) -> dict[str, Tensor]:
-        return {name: p.detach() for name, p in trainable(self.model)}
-
     def _sweep(self, desc: str, seeded: bool = True) -> Iterator[Batch]:
         """The batches of one sweep, every forward inside it fixed (see `fixed_forward`).
 
