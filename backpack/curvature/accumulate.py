@@ -314,7 +314,9 @@ def accumulate(
 
     Raises:
         ValueError: For an empty `data`, batches of changing shapes, parameters changed during
-            the sweep, or an extension that cannot be combined over batches.
+            the sweep, an extension that cannot be combined over batches, or an embedding with
+            `scale_grad_by_freq` or with rows its `max_norm` would renormalise (docs: "What a
+            sweep refuses").
         NotImplementedError: For `BatchDotGrad`, `KFRA` and the matrix-product extensions; for
             a model sharded with FSDP2 (`fully_shard`), for other extensions than the gradient,
             `SumGradSquared`, `Variance`, the diagonals and `BatchL2Grad`, and for `callback`.

@@ -122,15 +122,14 @@ def check_kron(c: Case) -> None:
         with pytest.raises(NotImplementedError, match=KRON_REFUSED[c.problem.id]):
             KFAC(model, lossfunc, c.batches, num_samples=c.num_samples)
         return
-    kfac = KFAC(model, lossfunc, c.batches, num_samples=c.num_samples)
+    ekfac = EKFAC(model, lossfunc, c.batches, num_samples=c.num_samples)
+    kfac = ekfac.kfac  # the KFAC of the same sweep, whose eigenbasis EK-FAC keeps
     dense = kfac.to_dense()
     _closed_forms(c, kfac, dense, "KFAC")
     if "reuse" not in c.problem.tags:  # tied weights: per batch the nearest Kronecker product
         model, lossfunc = c.fresh()
         whole = KFAC(model, lossfunc, [(c.x.clone(), c.y)], num_samples=c.num_samples)
         c.close(dense, whole.to_dense(), "KFAC of one batch")
-    model, lossfunc = c.fresh()
-    ekfac = EKFAC(model, lossfunc, c.batches, num_samples=c.num_samples)
     expected = torch.zeros_like(c.ggn)
     start = 0
     for block, shape in zip(kfac.blocks, c.shapes):
