@@ -14,8 +14,10 @@ table_cases.py:
   weights used twice, documented), and its `@`, `to_dense()`, `diagonal()`, `trace()`,
   `eigenvalues()`, `inverse(λ)` and `logdet(λ)` agree; `EKFAC` (type-2) equals `Q diag(Qᵀ C Q) Qᵀ`
   per block with C the brute-force GGN, and keeps its trace.
-- "accumulate": every deterministic extension the problem supports, over the uneven batches,
-  against one backward over the concatenated data (and `.grad` against brute force).
+- "accumulate": every deterministic extension the problem's tags support, over the uneven
+  batches, against one backward over the concatenated data (and `.grad` against brute force).
+  Monte-Carlo extensions draw batch by batch: equal to the one-batch quantity in expectation
+  only (docs), not draw for draw.
 - "influence": identity influence scores and diagonal influence self-scores against explicit
   matrices.
 """
@@ -34,6 +36,7 @@ from backpack.extensions import (
     BatchDiagGGNExact,
     BatchDiagHessian,
     BatchGrad,
+    BatchJacobian,
     BatchL2Grad,
     DiagGGNExact,
     DiagHessian,
@@ -147,7 +150,7 @@ def check_kron(c: Case) -> None:
 def _extensions(tags: set[str]) -> list:
     exts = [BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()]
     if "second" in tags:
-        exts += [DiagGGNExact(), BatchDiagGGNExact(), SqrtGGNExact()]
+        exts += [DiagGGNExact(), BatchDiagGGNExact(), SqrtGGNExact(), BatchJacobian()]
     if "hessian" in tags:
         exts += [DiagHessian(), BatchDiagHessian()]
     if "kron" in tags and "reuse" not in tags:
