@@ -31,8 +31,9 @@ class Curvature:
     def __init__(self, model, x, lossfunc, y, hessian: bool = True, per_sample: bool = True):
         self.names, self.shapes, flat, unflatten = _flatten_params(model)
 
-        def f(vec):
-            return functional_call(model, unflatten(vec), (x,))
+        def f(vec):  # a fresh input: a model may modify its input in place
+            inputs = x.clone() if isinstance(x, torch.Tensor) else x
+            return functional_call(model, unflatten(vec), (inputs,))
 
         out = f(flat).detach()
         n = out.shape[0]

@@ -27,6 +27,7 @@ from backpack.curvature._distributed import (
     local_module,
     process_group,
 )
+from backpack.curvature._forward import refuse_unfaithful_gradients
 from backpack.curvature._fsdp import check_kinds as check_fsdp_kinds
 from backpack.curvature._fsdp import is_fully_sharded, sharded_sweep
 from backpack.curvature._quantities import (
@@ -313,7 +314,9 @@ def accumulate(
 
     Raises:
         ValueError: For an empty `data`, batches of changing shapes, parameters changed during
-            the sweep, or an extension that cannot be combined over batches.
+            the sweep, an extension that cannot be combined over batches, or an embedding with
+            `scale_grad_by_freq` or with rows its `max_norm` would renormalise (docs: "What a
+            sweep refuses").
         NotImplementedError: For `BatchDotGrad`, `KFRA` and the matrix-product extensions; for
             a model sharded with FSDP2 (`fully_shard`), for other extensions than the gradient,
             `SumGradSquared`, `Variance`, the diagonals and `BatchL2Grad`, and for `callback`.
@@ -334,6 +337,7 @@ def accumulate(
             write,
             distributed,
         )
+    refuse_unfaithful_gradients(model, "accumulate")
     group = process_group(distributed, "accumulate")
     stream_total = None
     if callback is not None:

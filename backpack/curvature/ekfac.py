@@ -20,11 +20,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from backpack.api import disable
 from backpack.core.derivatives import convnd
 from backpack.curvature import _distributed as _dist
 from backpack.curvature._conv_eigen import Bases, eigenbasis_rules, is_target_class
 from backpack.curvature._data import Normaliser, needs_reiterable, reduction_of, trainable
-from backpack.curvature._distributed import rank_of
+from backpack.curvature._distributed import local_module, rank_of
+from backpack.curvature._forward import refuse_unfaithful_gradients
 from backpack.curvature._rows import row_batches
 from backpack.curvature.accumulate import accumulate
 from backpack.curvature.kfac import KFAC
@@ -227,6 +229,34 @@ def _exact_bias_blocks(model: nn.Module, blocks: list[EigenBlock]) -> set[str]:
     }
 
 
+def _inexact_linear_biases(model: nn.Module, names: set[str], first: Any) -> set[str]:
+    """Those of the `nn.Linear` biases `names` whose dense factor is not the GGN's block.
+
+    The factor is the block only for a layer called as a module on `[N, in]` inputs. A layer
+    that sees positions besides the samples has a factor that treats them as samples
+    (`Σ_{n,t} s sᵀ`, not `Σ_n (Σ_t s)(Σ_t s)ᵀ`), and one used functionally (attention's output
+    projection) has none of its own: their corrected eigenvalues need the curvature's rows.
+    Found with one forward of the first batch's inputs `first`.
+    """
+    modules = dict(model.named_modules())
+    owners = {modules[name.rpartition(".")[0]]: name for name in names}
+    owners = {m: name for m, name in owners.items() if isinstance(m, nn.Linear)}
+    flat: dict[nn.Module, bool] = {}
+
+    def hook(module: nn.Module, args: tuple) -> None:
+        ok = bool(args) and isinstance(args[0], Tensor) and args[0].dim() == 2
+        flat[module] = flat.get(module, True) and ok
+
+    handles = [m.register_forward_pre_hook(hook) for m in owners]
+    try:
+        with torch.no_grad(), disable():
+            model(first)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name for m, name in owners.items() if not flat.get(m, False)}
+
+
 def _rotate_input(q_in: Tensor, module: nn.Module, args: tuple) -> tuple:
     return (args[0] @ q_in, *args[1:])
 
@@ -360,12 +390,15 @@ def _correct(
     `_conv_eigen` (per-sample gradients formed from rotated factors, never rows). Other blocks
     rotate their rows.
     """
-    # for the GGN, the dense factor of a Linear or convolution bias is the exact block B
+    # for the GGN, the dense factor of a convolution bias, or of a Linear bias without
+    # positions, is the exact block B
     # (Σ over samples and outputs of (Σ_positions s)(Σ_positions s)ᵀ), so qᵀ B q is B's
     # eigenvalue, the value the block already has. Not so for sampled draws ("mc": the
     # correction takes fresh ones), the empirical factors of token losses, or the dense
     # factors of other layers (attention's, e.g., approximate their block).
     exact = _exact_bias_blocks(model, blocks) if fisher_type == "type-2" else set()
+    if exact:
+        exact -= _inexact_linear_biases(model, exact, next(iter(data))[0])
     targets = _rotatable(model, blocks)
     convs = _conv_targets(model, blocks, exact)
     columns = {"type-2": 1, "mc": mc_samples, "empirical": 1}[fisher_type]
@@ -520,6 +553,7 @@ class EKFAC(CurvatureOperator):
         distributed: bool | None = None,
     ) -> None:
         needs_reiterable(data, "EKFAC")
+        refuse_unfaithful_gradients(local_module(model), "EKFAC")
         kfac = KFAC(
             model,
             lossfunc,

@@ -31,6 +31,7 @@ from backpack.curvature._distributed import (
     process_group,
     rank_of,
 )
+from backpack.curvature._forward import refuse_unfaithful_gradients
 from backpack.curvature.accumulate import accumulate
 from backpack.curvature.operators import CurvatureOperator
 from backpack.extensions import KFAC as KFACExtension
@@ -238,6 +239,7 @@ class KFAC(CurvatureOperator):
     ) -> None:
         model = local_module(model)
         check_not_fully_sharded(model, "KFAC")
+        refuse_unfaithful_gradients(model, "KFAC")
         group = process_group(distributed, "KFAC")
         params = trainable(model)
         super().__init__(model, params)

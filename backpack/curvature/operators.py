@@ -3,20 +3,21 @@
 Every operator is a symmetric `[P, P]` matrix over the trainable parameters, in
 `model.parameters()` order, of the data-set loss (see `backpack.curvature.accumulate`). `op @ V`
 sweeps the data once for all K columns of `V`: per batch, the K products are batched with
-`torch.func` (`vmap` over forward-mode and reverse-mode derivatives) or formed from backpack's
-per-sample quantities.
+`torch.func.vmap` over reverse-mode derivatives of one plain autograd forward (so they
+differentiate what `.grad` differentiates), or formed from backpack's per-sample quantities.
+Every sweep must see one fixed function of the parameters (`backpack.curvature._forward`).
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad, jvp, vjp, vmap
+from torch.func import grad, vjp, vmap
 
 from backpack.api import backpack, disable, extend
 from backpack.curvature._data import (
@@ -36,6 +37,12 @@ from backpack.curvature._distributed import (
     local_module,
     process_group,
     rank_of,
+)
+from backpack.curvature._forward import (
+    fixed_forward,
+    product_forward,
+    refuse_unfaithful_gradients,
+    refuse_unfixed_forward,
 )
 from backpack.curvature.accumulate import accumulate
 from backpack.curvature.cg import CGInfo, NotPositiveDefiniteError, conjugate_gradients
@@ -240,6 +247,12 @@ class _DataOperator(CurvatureOperator):
     as in `accumulate`) `data` is this rank's shard: every product sums the ranks' partial
     products and normalisers in one all-reduce, so it is a collective (every rank multiplies,
     with the same matrix) and every rank gets the whole data set's product.
+
+    Every sweep must see one fixed function of the parameters: models with batch statistics
+    (BatchNorm in training mode), layers whose gradient is not the loss's derivative
+    (`scale_grad_by_freq`) and random forwards (dropout in training mode) are refused, the last
+    unless `forward_seed` is given: every sweep (products, diagonal) then starts the random
+    generators from that seed, so each batch gets the same masks in every sweep.
     """
 
     def __init__(
@@ -252,11 +265,20 @@ class _DataOperator(CurvatureOperator):
         normaliser: Normaliser | None = None,
         num_samples: Callable[[Any], int] | None = None,
         distributed: bool | None = None,
+        forward_seed: int | None = None,
     ) -> None:
-        needs_reiterable(data, type(self).__name__)
+        name = type(self).__name__
+        needs_reiterable(data, name)
         model = local_module(model)
-        check_not_fully_sharded(model, type(self).__name__)
+        check_not_fully_sharded(model, name)
+        if forward_seed is not None and (
+            isinstance(forward_seed, bool) or not isinstance(forward_seed, int)
+        ):
+            raise ValueError(f"forward_seed must be None or an integer, got {forward_seed!r}.")
+        refuse_unfaithful_gradients(model, name)
+        refuse_unfixed_forward(model, name, forward_seed)
         super().__init__(model, trainable(model))
+        self.forward_seed = forward_seed
         self.distributed = distributed
         self._group = process_group(distributed, type(self).__name__)
         self.lossfunc = lossfunc
@@ -304,12 +326,33 @@ class _DataOperator(CurvatureOperator):
     def _scale(self, nu: float) -> float:
         return nu if self.reduction == "mean" else 1.0
 
-    def _params(self) -> dict[str, Tensor]:
-        return {name: p.detach() for name, p in trainable(self.model)}
+    def _sweep(self, desc: str, seeded: bool = True) -> Iterator[Batch]:
+        """The batches of one sweep, every forward inside it fixed (see `fixed_forward`).
 
-    def _sweep(self, desc: str):
+        `seeded=False`: the caller seeds the random generators itself (the Monte-Carlo GGN).
+        """
         self._check_model()
-        return sweep(self.data, self.progress, desc, self.num_samples)
+        refuse_unfaithful_gradients(self.model, type(self).__name__)
+        with self._fixed(seeded):
+            yield from sweep(self.data, self.progress, desc, self.num_samples)
+
+    def _fixed(self, seeded: bool = True) -> ExitStack:
+        """`fixed_forward` of this operator's model (both modules of a compiled one).
+
+        `seeded=False` with a `forward_seed`: nothing (the caller seeds the generators itself).
+        """
+        stack = ExitStack()
+        what = type(self).__name__
+        if self.forward_seed is not None:
+            if seeded:
+                rank = rank_of(self._group)
+                seed = self.forward_seed
+                stack.enter_context(fixed_forward(self.model, what, seed, self.device, rank))
+            return stack
+        inner = getattr(self.model, "_orig_mod", self.model)
+        for module in dict.fromkeys([self.model, inner]):
+            stack.enter_context(fixed_forward(module, what, None, self.device))
+        return stack
 
     def _matmat(self, V: Tensor) -> Tensor:
         def local() -> tuple[Tensor, float]:
@@ -357,17 +400,18 @@ class _DataOperator(CurvatureOperator):
     def _accumulated(self, extension) -> tuple[Tensor, Any]:
         """The flattened quantity of `extension` over the data set, and the result."""
         self._check_model()
-        result = accumulate(
-            self.model,
-            self.lossfunc,
-            self.data,
-            [extension],
-            progress=self.progress,
-            normaliser=self.normaliser,
-            num_samples=self.num_samples,
-            write=False,
-            distributed=self.distributed,
-        )
+        with self._fixed():
+            result = accumulate(
+                self.model,
+                self.lossfunc,
+                self.data,
+                [extension],
+                progress=self.progress,
+                normaliser=self.normaliser,
+                num_samples=self.num_samples,
+                write=False,
+                distributed=self.distributed,
+            )
         values = result.quantity(extension.savefield)
         return torch.cat([values[name].flatten() for name in self.names]), result
 
@@ -379,7 +423,7 @@ class GGN(_DataOperator):
     of the data-set loss's term of sample n w.r.t. that output (its reduction factor included).
 
     Args:
-        model: The model (its `forward` is called functionally with `torch.func`).
+        model: The model (in `eval()` mode if it has dropout or BatchNorm, see `forward_seed`).
         lossfunc: The loss (torch loss module, reduction "mean" or "sum").
         data: Re-iterable `(X, y)` batches (swept once per product).
         mc_samples: None for the exact GGN; an integer for the Monte-Carlo GGN (the type-2
@@ -394,10 +438,17 @@ class GGN(_DataOperator):
         distributed: `data` is this rank's shard of the data set (see `accumulate`): None
             (default) when torch.distributed runs with more than one process, True, or False.
             Products (and `diagonal()`) are then collectives giving the whole data set's.
+        forward_seed: None (default): a model whose forward is random (dropout in training
+            mode) is refused, since every product sweeps again; an integer: every sweep starts
+            the random generators from it (forked, not advanced), so each batch gets the same
+            masks in every product and in `diagonal()`: the GGN of the network with those masks.
 
-    Cost: a product with K columns is one sweep: per batch one forward, K Jacobian-vector
-    products, K loss-Hessian products and K vector-Jacobian products (vmapped), like
-    `ggn_vector_product` of `backpack.hessianfree` for K vectors at once.
+    `J` is the Jacobian that autograd differentiates: where a layer's backward treats entries
+    as constant (an embedding's padding row), so does the GGN, as `.grad` and `DiagGGNExact` do.
+
+    Cost: a product with K columns is one sweep: per batch one forward, one backward with
+    `create_graph`, then per column a backward through that backward's graph (`J v`), a
+    loss-Hessian product and a backward (`Jᵀ H J v`), vmapped over the K columns.
     `diagonal()` is exact, from one `accumulate(DiagGGNExact())` sweep.
     """
 
@@ -413,9 +464,18 @@ class GGN(_DataOperator):
         normaliser: Normaliser | None = None,
         num_samples: Callable[[Any], int] | None = None,
         distributed: bool | None = None,
+        forward_seed: int | None = None,
     ) -> None:
         super().__init__(
-            model, lossfunc, data, progress, column_chunk, normaliser, num_samples, distributed
+            model,
+            lossfunc,
+            data,
+            progress,
+            column_chunk,
+            normaliser,
+            num_samples,
+            distributed,
+            forward_seed,
         )
         if mc_samples is not None and (
             isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1
@@ -426,28 +486,48 @@ class GGN(_DataOperator):
 
     def _matmat(self, V: Tensor) -> Tensor:
         if self.mc_samples is None:
-            return super()._matmat(V)
+            with _twice_differentiable(type(self).__name__):
+                return super()._matmat(V)
         return self._mc_sweep(V)
 
     def _batch_product(self, batch, V):  # noqa: D102
-        params = self._params()
-
-        def f(pdict):
-            return functional_call(self.model, pdict, (batch.X,))
-
-        with disable(), torch.enable_grad():
-            output, vjp_fn = vjp(f, params)
-            output = output.detach()
-            nu = self._nu(output, batch.y)
-            if self.reduction == "mean" and nu == 0:
+        names, params = zip(*trainable(self.model))
+        # torch.compile'd code has no double backward; the original module has the same
+        # parameters and function
+        model = getattr(self.model, "_orig_mod", self.model)
+        with disable(), torch.enable_grad(), product_forward(model):
+            output = model(batch.X)
+            nu = self._nu(output.detach(), batch.y)
+            if (self.reduction == "mean" and nu == 0) or not output.requires_grad:
                 return None, nu
             # the loss Hessian w.r.t. the output is symmetric: products by reverse-over-reverse
-            _, loss_hessian = vjp(grad(lambda o: self.lossfunc(o, batch.y)), output)
+            _, loss_hessian = vjp(grad(lambda o: self.lossfunc(o, batch.y)), output.detach())
+            # J v by reverse mode only, as the derivative of the linear map u ↦ Jᵀu along v:
+            # J is then exactly the Jacobian autograd differentiates (an embedding's padding row
+            # is constant, as in `.grad`), where forward mode would move what backward keeps
+            # fixed; and the forward is plain autograd (in-place operations on the input work)
+            dummy = torch.zeros_like(output, requires_grad=True)
+            pulled = torch.autograd.grad(
+                output, params, dummy, create_graph=True, allow_unused=True, materialize_grads=True
+            )
+        live = [i for i, g in enumerate(pulled) if g.requires_grad]
 
-            def column(tangent):
-                _, jv = jvp(f, (params,), (tangent,))
-                return vjp_fn(loss_hessian(jv)[0])[0]
+        def column(tangents: dict[str, Tensor]) -> dict[str, Tensor]:
+            (jv,) = torch.autograd.grad(
+                [pulled[i] for i in live],
+                dummy,
+                [tangents[names[i]] for i in live],
+                retain_graph=True,
+            )
+            hjv = loss_hessian(jv)[0]
+            jthjv = torch.autograd.grad(
+                output, params, hjv, retain_graph=True, allow_unused=True, materialize_grads=True
+            )
+            return dict(zip(names, jthjv))
 
+        if not live:
+            return None, nu
+        with torch.enable_grad():
             out = self._columns(V, _over_columns(column))
         return out * self._scale(nu), nu
 
@@ -461,7 +541,7 @@ class GGN(_DataOperator):
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(self.seed + rank_of(self._group))
-            for batch in self._sweep("GGN (MC)"):
+            for batch in self._sweep("GGN (MC)", seeded=False):
                 with torch.enable_grad():
                     output = self.model(batch.X)
                     nu = self._nu(output, batch.y)
@@ -506,6 +586,21 @@ class GGN(_DataOperator):
         return self._accumulated(DiagGGNExact())[0]
 
 
+@contextmanager
+def _twice_differentiable(what: str) -> Iterator[None]:
+    """Name the fix when a product's double backward meets compiled code."""
+    try:
+        yield
+    except RuntimeError as err:
+        if "double backward" not in str(err):
+            raise
+        raise RuntimeError(
+            f"{what} products backpropagate twice, which this model's compiled code does not "
+            f"support ({err}). Build the {what} on the uncompiled module (a compiled submodule's "
+            "`_orig_mod`: it shares the parameters)."
+        ) from err
+
+
 def _over_columns(column: Callable[[dict], dict]) -> Callable[[dict], dict]:
     """`column` vmapped over the leading (column) axis of its tangents.
 
@@ -527,6 +622,9 @@ class Hessian(_DataOperator):
     """The Hessian of the data-set loss w.r.t. the trainable parameters.
 
     Args: as `GGN` (without `mc_samples`, `seed`).
+
+    The Hessian of what autograd differentiates (reverse over reverse): an embedding's padding
+    row is constant, as in `.grad`.
 
     Cost: a product with K columns is one sweep: per batch a forward, a backward with
     `create_graph` and K backward passes through the gradient's graph (reverse-over-reverse
@@ -554,8 +652,9 @@ class Hessian(_DataOperator):
         `eigvalsh`, the trace and diagonal estimators, `lanczos_quadrature`, `spectral_density`,
         `slq_logdet` and `inverse(λ)` use this block.
 
-        Inside it, dropout masks and other random choices of the forward are those of the first
-        product, and the model's parameters must not change (a changed model raises).
+        Inside it the model's parameters must not change (a changed model raises). A random
+        forward needs `forward_seed` (see `GGN`): every sweep draws the same masks, so the kept
+        graphs and a new sweep give the same products.
         """
         if self._kept is not None:  # nested: the outer block keeps
             yield
@@ -568,16 +667,8 @@ class Hessian(_DataOperator):
             self._kept = None
 
     def _matmat(self, V: Tensor) -> Tensor:
-        try:
+        with _twice_differentiable(type(self).__name__):
             return self._products(V)
-        except RuntimeError as err:
-            if "double backward" not in str(err):
-                raise
-            raise RuntimeError(
-                f"Hessian products backpropagate twice, which this model's compiled code does "
-                f"not support ({err}). Build the Hessian on the uncompiled module (a compiled "
-                "submodule's `_orig_mod`: it shares the parameters)."
-            ) from err
 
     def _products(self, V: Tensor) -> Tensor:
         kept = self._kept
@@ -604,7 +695,7 @@ class Hessian(_DataOperator):
         # torch.compile'd code has no double backward; the original module has the same
         # parameters and function
         model = getattr(self.model, "_orig_mod", self.model)
-        with disable(), torch.enable_grad():
+        with disable(), torch.enable_grad(), product_forward(model):
             output = model(batch.X)
             nu = self._nu(output.detach(), batch.y) if self.reduction == "mean" else 1.0
             if self.reduction == "mean" and nu == 0:

@@ -44,8 +44,9 @@ from backpack.curvature._data import (
 )
 from backpack.extensions import BatchGrad
 from backpack.extensions.firstorder import FirstOrderModuleExtension
-from backpack.recording import describe
+from backpack.recording import describe, is_parametrized
 from backpack.rules.attention import MultiheadAttentionRule
+from backpack.rules.base import keeps_forward_of
 
 #: the attribute that collects a parameter's sites during one backward
 _FIELD = "_influence_sites"
@@ -87,8 +88,8 @@ class Site:
         """The site of `factor × G`."""
         if factor == 1.0:
             return self
-        if self.kind == "sample":  # backpack's grad_batch, ours alone: scaled in place
-            return Site(self.kind, self.shape, self.left.mul_(factor))
+        if self.kind == "sample":  # not in place: two parameters' rows may share memory
+            return Site(self.kind, self.shape, self.left * factor)
         if self.kind in ("outer", "rows"):
             return Site(self.kind, self.shape, self.left, self.right * factor)
         return Site(self.kind, self.shape, self.left * factor)
@@ -213,9 +214,23 @@ def _is_conv1d(module: nn.Module) -> bool:
     return f"{cls.__module__}.{cls.__qualname__}" == _CONV1D
 
 
+def _computes_as(module: nn.Module, base: type) -> bool:
+    """Whether `module` is a `base` computing its output with `base`'s own forward.
+
+    A subclass with its own forward (a scaled weight, say) or a parametrized weight computes
+    something else from the recorded input: its per-sample gradients come from backpack's
+    `grad_batch` instead (the engine's rule or fallback for it).
+    """
+    return (
+        isinstance(module, base)
+        and keeps_forward_of(type(module), base)
+        and not is_parametrized(module)
+    )
+
+
 def is_linear_like(module: nn.Module) -> bool:
-    """`nn.Linear` (and subclasses) or Hugging Face's `Conv1D`."""
-    return isinstance(module, nn.Linear) or _is_conv1d(module)
+    """`nn.Linear` (and subclasses with its forward) or Hugging Face's `Conv1D`."""
+    return _computes_as(module, nn.Linear) or (_is_conv1d(module) and not is_parametrized(module))
 
 
 def _positions(x: Tensor, trailing: int) -> Tensor:
@@ -225,8 +240,9 @@ def _positions(x: Tensor, trailing: int) -> Tensor:
 
 
 def _is_conv(module: nn.Module) -> bool:
-    """`nn.Conv1d/2d/3d` (and subclasses), not the transposed ones."""
-    return isinstance(module, nn.modules.conv._ConvNd) and not module.transposed
+    """`nn.Conv1d/2d/3d` (and subclasses with their forward), not the transposed ones."""
+    convs = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+    return any(_computes_as(module, cls) for cls in convs)
 
 
 def _patches(module: nn.Module, x: Tensor) -> Tensor:
@@ -360,15 +376,15 @@ def supports_positions(module: nn.Module) -> str | None:
     """Why `module`'s terms per position cannot be recorded (None: they can)."""
     if is_linear_like(module):
         return None
-    if isinstance(module, nn.Embedding):
+    if _computes_as(module, nn.Embedding):
         if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
             return "an nn.Embedding with max_norm, scale_grad_by_freq or sparse"
         return None
-    if isinstance(module, nn.LayerNorm):
+    if _computes_as(module, nn.LayerNorm):
         return None
     if _is_conv(module):
         return None
-    if isinstance(module, nn.MultiheadAttention):
+    if _computes_as(module, nn.MultiheadAttention):
         kv = (module.bias_k, module.bias_v)
         if any(p is not None and p.requires_grad for p in kv):
             return (
@@ -425,6 +441,11 @@ def recorded_classes(model: nn.Module, per_token: bool) -> tuple[set[type], list
         elif per_token:
             why = supports_positions(module)
             uncovered += [f"{prefix + '.' if prefix else ''}{n} (in {why})" for n in own]
+    # a module extension for a class serves its subclasses too: a class with a member that
+    # computes something else (its own forward, a parametrized weight) is not recorded at all
+    for module in model.modules():
+        if supports_positions(module) is not None:  # not recordable
+            classes = {c for c in classes if not isinstance(module, c)}
     return classes, uncovered
 
 

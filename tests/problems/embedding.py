@@ -66,6 +66,12 @@ def indices(num_embeddings, *shape, force=None):
 
 
 PROBLEMS = [
+    # the smallest model whose forward-mode Jacobian moves the padding row autograd keeps fixed
+    Problem(
+        "embedding-padding-idx-flatten",
+        lambda: nn.Sequential(nn.Embedding(5, 3, padding_idx=2), nn.Flatten(), nn.Linear(6, 3)),
+        indices(5, 7, 2, force=2),
+    ),
     Problem(
         "embedding-padding-idx",
         lambda: nn.Sequential(nn.Embedding(7, 4, padding_idx=2), nn.Flatten(), nn.Linear(20, 3)),

@@ -116,4 +116,11 @@ PROBLEMS = [
         randn(6, 4),
         tags={"first", "second", "custom", "hessian", "kron"},
     ),
+    # the first layer modifies the model's input in place (torch.func transforms refuse that)
+    Problem(
+        "linear-inplace-relu-first",
+        lambda: nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)),
+        randn(7, 4),
+        tags={"first", "second", "hessian", "kron"},
+    ),
 ]
