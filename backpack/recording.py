@@ -522,6 +522,19 @@ def live_records(module: nn.Module) -> list[Record]:
     return [r for r in _records(module) if not r.freed]
 
 
+def live_record_count(module: nn.Module) -> int:
+    """`len(live_records(module))`, without ordering the records (asked for every call)."""
+    refs = _LIVE_RECORDS.get(id(module))
+    if not refs:
+        return 0
+    count = 0
+    for ref in tuple(refs):
+        record = ref()
+        if record is not None and not record.freed:
+            count += 1
+    return count
+
+
 def param_owners(param: Tensor) -> list[nn.Module]:
     """Modules that used `param` directly in a recorded forward."""
     owners = _PARAM_OWNERS.get(id(param))

@@ -33,7 +33,7 @@ from backpack.recording import (
     describe,
     has_sample_free_records,
     live_loss_records,
-    live_records,
+    live_record_count,
     param_owners,
     records_at,
     sample_free,
@@ -720,7 +720,7 @@ class SampleLayout:
     def uses(self, param: Tensor, batch_size: Any) -> int:
         """How many module calls of this pass use `param` directly."""
         owners = param_owners(param)
-        live = sum(len(live_records(m)) for m in owners)
+        live = sum(live_record_count(m) for m in owners)
         if live <= 1 or not self.losses:
             return live
         # several live calls: only those some loss of this pass reaches take part
