@@ -170,6 +170,9 @@ class ModuleRule:
         def one_column(*columns: Tensor) -> dict[str, Tensor]:
             return self.per_sample_grads(record, columns, names, subsampling)
 
+        if template.shape[0] == 1:  # one column (a Monte-Carlo sample): no vmap needed
+            single = one_column(*[f[0] for f in filled])
+            return {n: v.unsqueeze(0) for n, v in single.items()}
         try:
             return torch.func.vmap(one_column)(*filled)
         except (RuntimeError, ValueError, NotImplementedError):
