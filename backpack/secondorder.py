@@ -151,7 +151,8 @@ def propagate(
     if not targets:
         return []
     with CTX.propagation(), _explain_compiled():
-        if loop and factor.shape[0] <= _LOOP_MAX_COLUMNS:
+        if factor.shape[0] == 1 or (loop and factor.shape[0] <= _LOOP_MAX_COLUMNS):
+            # (one column, a Monte-Carlo sample: a plain backward, without vmap's batching)
             return _propagate_columns(output_edge, targets, factor)
         try:
             return list(
