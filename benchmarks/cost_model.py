@@ -57,6 +57,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from benchmarks.gpu_models import Logits, torch_func_step
 from benchmarks.report import finish
 
 aten = torch.ops.aten
@@ -319,17 +320,6 @@ class _Counter(TorchDispatchMode):
 # Models
 
 
-class Logits(nn.Module):
-    """A Hugging Face language model returning its logits flattened to `[N·T, V]`."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, idx: Tensor) -> Tensor:
-        return self.model(input_ids=idx).logits.flatten(0, 1)
-
-
 def _narrow_resnet(model: nn.Module, factor: int) -> nn.Module:
     """The same ResNet with every channel count divided by `factor` (the RGB input kept)."""
     for module in list(model.modules()):
@@ -457,7 +447,7 @@ def make_step(row: str, model: nn.Module, x: Tensor, y: Tensor) -> Callable[[], 
 
         return plain
     if row == "torch.func":
-        return _torch_func_step(model, x, y)
+        return torch_func_step(model, x, y)
     extend(model)
     lossfunc = extend(nn.CrossEntropyLoss())
     make = (lambda: []) if row == "hooks only" else (lambda: [getattr(E, row)()])
@@ -465,26 +455,6 @@ def make_step(row: str, model: nn.Module, x: Tensor, y: Tensor) -> Callable[[], 
     def step() -> None:
         with backpack(*make()):
             lossfunc(model(x), y).backward()
-
-    return step
-
-
-def _torch_func_step(model: nn.Module, x: Tensor, y: Tensor) -> Callable[[], None]:
-    from torch.func import functional_call, grad, vmap
-
-    params = {k: p.detach() for k, p in model.named_parameters()}
-    n = x.shape[0]
-    per_row = y.numel() // n
-
-    def one(p: dict, xn: Tensor, yn: Tensor) -> Tensor:
-        out = functional_call(model, p, (xn.unsqueeze(0),))
-        return nn.functional.cross_entropy(out, yn) / n
-
-    per_sample = vmap(grad(one), in_dims=(None, 0, 0))
-    y_rows = y.reshape(n, per_row)
-
-    def step() -> None:
-        per_sample(params, x, y_rows)
 
     return step
 

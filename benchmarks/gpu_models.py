@@ -194,7 +194,7 @@ def _steps(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, tuple]:
             clear_extended,
             "plain",
         )
-    steps["torch.func"] = (_torch_func(plain, x, y), lambda: None, "plain")
+    steps["torch.func"] = (torch_func_step(plain, x, y), lambda: None, "plain")
     for row, ghost in (("Opacus", False), ("Opacus ghost norms", True)):
         try:
             step, clear, _ = _opacus_step(_for_opacus(model), nn.CrossEntropyLoss(), x, y, ghost)
@@ -237,7 +237,7 @@ def _failing(err: Exception) -> Callable:
     return step
 
 
-def _torch_func(model: nn.Module, x: Tensor, y: Tensor) -> Callable:
+def torch_func_step(model: nn.Module, x: Tensor, y: Tensor) -> Callable:
     """Per-sample gradients of the batch's mean loss with `vmap(grad(functional_call))`."""
     from torch.func import functional_call, grad, vmap
 
