@@ -232,7 +232,10 @@ def _make(tmp_path, target, check_rc, *variables):
     log = tmp_path / "log"
     log.write_text("")
     env = {**os.environ, "FAKE_LOG": str(log), "FAKE_CHECK_RC": str(check_rc)}
-    env.pop("PIN_TORCH", None)
+    # the outer make's variables (`make test PIN_TORCH=1` in CI) reach a nested make through
+    # MAKEFLAGS: this make starts from none
+    for name in ("PIN_TORCH", "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES"):
+        env.pop(name, None)
     result = subprocess.run(
         ["make", "-C", str(ROOT), f"VENV={venv}", target, *variables],
         capture_output=True,
