@@ -204,7 +204,8 @@ class EmbeddingRule(ModuleRule):
             d = module.embedding_dim
             g = weights.new_zeros(d, d)
         else:
-            f = f.reshape(f.shape[0], n, t, f.shape[-1])
+            # the factor's own sample axis: KFRA hands one batch-averaged "sample" (N = 1)
+            f = f.reshape(f.shape[0], f.shape[1], t, f.shape[-1])
             if approx == "reduce":
                 s = f.sum(2)
                 g = gram(s)

@@ -156,3 +156,24 @@ def test_tied_parameters_without_pairs_above_the_limit_are_refused(monkeypatch):
     with pytest.raises(NotImplementedError, match=r"bias of 'inner'.*several times"):
         with backpack(KFLR()):
             loss.backward()
+
+
+def test_kfra_of_an_embedding_before_a_linear_layer_equals_kflr():
+    """KFRA hands a rule one batch-averaged factor (a single "sample"); the embedding's rule
+    used to reshape it with the batch's sample count and failed. With a constant Jacobian
+    between the embedding and the loss (Flatten, Linear), KFRA's factors are KFLR's."""
+    from backpack import backpack, extend
+    from backpack.extensions import KFLR, KFRA
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(5, 3), torch.nn.Flatten(), torch.nn.Linear(6, 3)
+    ).double()
+    model = extend(model)
+    x, y = torch.randint(0, 5, (8, 2)), torch.randint(0, 3, (8,))
+    with backpack(KFRA(), KFLR()):
+        extend(torch.nn.CrossEntropyLoss())(model(x), y).backward()
+    for p in model.parameters():
+        assert len(p.kfra) == len(p.kflr)
+        for a, b in zip(p.kfra, p.kflr):
+            torch.testing.assert_close(a, b)
