@@ -10,7 +10,6 @@ factor `B` (biases, parameters without a Kronecker rule) use `B`'s eigenbasis th
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -23,6 +22,12 @@ from torch import Tensor, nn
 from backpack.api import disable
 from backpack.core.derivatives import convnd
 from backpack.curvature import _distributed as _dist
+from backpack.curvature._blocks import (
+    BlockLayout,
+    assemble_dense,
+    assemble_diagonal,
+    blockwise,
+)
 from backpack.curvature._conv_eigen import Bases, eigenbasis_rules, is_target_class
 from backpack.curvature._data import Normaliser, needs_reiterable, reduction_of, trainable
 from backpack.curvature._distributed import local_module, rank_of
@@ -40,45 +45,39 @@ __all__ = ["EKFAC", "EKFACInverse", "EigenBlock"]
 _ROWS = {"type-2": "type-2", "mc": "mc", "empirical": "grad"}
 
 
-class EigenBlock:
-    """One parameter's block `Q diag(values) Qᵀ` with `Q = Q_0 ⊗ Q_1`, `Q_0`, or the identity.
+class EigenBlock(BlockLayout):
+    """One block `Q diag(values) Qᵀ` with `Q = Q_0 ⊗ Q_1`, `Q_0`, or the identity.
 
     Args:
-        name: The parameter's name.
+        name: The (weight's) parameter name.
         shape: The parameter's shape.
         vectors: `[Q_0, Q_1]` (Kronecker eigenbasis), `[Q_0]` (dense eigenbasis) or `[]`
             (identity: a diagonal block).
         values: The eigenvalues, of shape `(size_0, size_1)`, `(size_0,)` or `(numel,)`.
         transposed: Whether the coordinates are those of `parameter.transpose(0, 1)` (the
             Kronecker factors of embeddings and transposed convolutions).
+        bias: The name of a bias folded into the block as the last input column (see
+            `BlockLayout`), or None.
+
+    Vectors go in and out as `[K, numel]` (the block's parameters flattened and concatenated,
+    see `BlockLayout.gather`), or `[K, *shape]` for a one-parameter block.
     """
 
     def __init__(
-        self, name: str, shape: tuple, vectors: list[Tensor], values: Tensor, transposed: bool
+        self,
+        name: str,
+        shape: tuple,
+        vectors: list[Tensor],
+        values: Tensor,
+        transposed: bool,
+        bias: str | None = None,
     ) -> None:
-        self.name = name
-        self.shape = tuple(shape)
+        super().__init__(name, shape, transposed, bias)
         self.vectors = list(vectors)
         self.values = values
-        self.transposed = transposed
 
-    @property
-    def numel(self) -> int:
-        """The parameter's number of entries."""
-        return math.prod(self.shape)
-
-    def to_own(self, v: Tensor) -> Tensor:
-        """`[K, *shape]` → `[K, *values.shape]` in the block's coordinates."""
-        if self.transposed:
-            v = v.transpose(1, 2)
-        return v.reshape(v.shape[0], *self.values.shape)
-
-    def from_own(self, w: Tensor) -> Tensor:
-        """Inverse of `to_own`, flattened: `[K, numel]` in the parameter's row-major order."""
-        if self.transposed:
-            swapped = (self.shape[1], self.shape[0], *self.shape[2:])
-            return w.reshape(w.shape[0], *swapped).transpose(1, 2).reshape(w.shape[0], -1)
-        return w.reshape(w.shape[0], -1)
+    def own_shape(self) -> tuple[int, ...]:  # noqa: D102
+        return tuple(self.values.shape)
 
     def rotate(self, w: Tensor) -> Tensor:
         """`Qᵀ w` for `w` `[K, *values.shape]` in the block's coordinates."""
@@ -97,54 +96,37 @@ class EigenBlock:
         return w
 
     def apply(self, v: Tensor, scale: Tensor) -> Tensor:
-        """`Q diag(scale) Qᵀ v` for `v` `[K, *shape]`, `[K, numel]` out."""
+        """`Q diag(scale) Qᵀ v` for `v` `[K, numel]` (or `[K, *shape]`), `[K, numel]` out."""
         return self.from_own(self.unrotate(self.rotate(self.to_own(v)) * scale))
 
     def squares(self, rows: Tensor) -> Tensor:
-        """`Σ_r (Qᵀ u_r)²` over rows `[R, *shape]`, of shape `values.shape`."""
+        """`Σ_r (Qᵀ u_r)²` over rows `[R, numel]`, of shape `values.shape`."""
         return self.rotate(self.to_own(rows)).square().sum(0)
 
     def quadratic(self, rows: Tensor, scale: Tensor) -> Tensor:
-        """`u_rᵀ Q diag(scale) Qᵀ u_r` for every row `[R, *shape]`: `[R]`."""
+        """`u_rᵀ Q diag(scale) Qᵀ u_r` for every row `[R, numel]`: `[R]`."""
         rotated = self.rotate(self.to_own(rows)).square() * scale
         return rotated.reshape(rows.shape[0], -1).sum(1)
 
-    def permutation(self) -> Tensor | None:
-        """Index `idx` with `param.flatten()[idx]` = the block's flattening (None: identity)."""
-        if not self.transposed:
-            return None
-        return torch.arange(self.numel).reshape(self.shape).transpose(0, 1).flatten()
-
     def dense(self, scale: Tensor) -> Tensor:
-        """`Q diag(scale) Qᵀ` as a `[numel, numel]` matrix in the parameter's flattening."""
+        """`Q diag(scale) Qᵀ` as a `[numel, numel]` matrix in the parameters' flattening."""
         if len(self.vectors) == 2:
             q = torch.kron(self.vectors[0], self.vectors[1])
         elif len(self.vectors) == 1:
             q = self.vectors[0]
         else:
             q = torch.eye(self.numel, dtype=scale.dtype, device=scale.device)
-        out = (q * scale.flatten()) @ q.T
-        idx = self.permutation()
-        if idx is None:
-            return out
-        placed = torch.empty_like(out)
-        placed[idx[:, None], idx[None, :]] = out
-        return placed
+        return self.place_dense((q * scale.flatten()) @ q.T)
 
     def diagonal(self, scale: Tensor) -> Tensor:
-        """The diagonal of `Q diag(scale) Qᵀ`, `[numel]` in the parameter's flattening."""
+        """The diagonal of `Q diag(scale) Qᵀ`, `[numel]` in the parameters' flattening."""
         if len(self.vectors) == 2:
             d = (self.vectors[0].square() @ scale @ self.vectors[1].square().T).flatten()
         elif len(self.vectors) == 1:
             d = self.vectors[0].square() @ scale
         else:
             d = scale.flatten()
-        idx = self.permutation()
-        if idx is None:
-            return d
-        out = torch.empty_like(d)
-        out[idx] = d
-        return out
+        return self.place_diagonal(d)
 
     def state(self) -> dict[str, Any]:
         """The block as plain tensors and numbers (for `torch.save`)."""
@@ -154,6 +136,7 @@ class EigenBlock:
             "vectors": list(self.vectors),
             "values": self.values,
             "transposed": self.transposed,
+            "bias": self.bias,
         }
 
     @classmethod
@@ -165,6 +148,7 @@ class EigenBlock:
             list(state["vectors"]),
             state["values"],
             bool(state["transposed"]),
+            state.get("bias"),
         )
 
 
@@ -173,9 +157,8 @@ def kfac_eigenblocks(kfac: KFAC) -> list[EigenBlock]:
     blocks = []
     for b in kfac.blocks:
         eig = b.eig()
-        blocks.append(
-            EigenBlock(b.name, b.shape, [q for _, q in eig], b.eigenvalues(), b.transposed)
-        )
+        vectors = [q for _, q in eig]
+        blocks.append(EigenBlock(b.name, b.shape, vectors, b.eigenvalues(), b.transposed, b.bias))
     return blocks
 
 
@@ -213,15 +196,19 @@ def _rotatable(
         and type(module) is nn.Linear
         and len(block.vectors) == 2
         and not block.transposed
+        and block.bias is None
         and uses[id(module.weight)] == 1
         # 16-bit weights have float32 factors: the rotated layer would mix dtypes (rows instead)
         and block.vectors[0].dtype == module.weight.dtype
     }
 
 
-def _exact_bias_blocks(model: nn.Module, blocks: list[EigenBlock]) -> set[str]:
-    """Names of the dense-factor blocks of `nn.Linear` and convolution biases."""
-    layers = (nn.Linear, nn.modules.conv._ConvNd)
+def _exact_bias_blocks(model: nn.Module, blocks: list[EigenBlock], approx: str) -> set[str]:
+    """Names of the dense-factor blocks of `nn.Linear` (and under "reduce" convolution) biases.
+
+    Under "expand" a convolution's output positions act as samples in its `G`.
+    """
+    layers = (nn.Linear, nn.modules.conv._ConvNd) if approx == "reduce" else (nn.Linear,)
     return {
         block.name
         for block, module, attr in _owned(model, blocks)
@@ -313,6 +300,7 @@ def _conv_targets(
             or not is_target_class(module)
             or is_parametrized(module)
             or len(block.vectors) != 2
+            or block.bias is not None
             or block.transposed != convnd.is_transposed(module)
             or uses[id(module.weight)] != 1
             or block.vectors[0].dtype != module.weight.dtype
@@ -377,6 +365,7 @@ def _correct(
     num_samples,
     group=None,
     distributed=None,
+    kfac_approx="expand",
 ) -> tuple[float, int]:
     """Set every block's corrected eigenvalues `R Σ_r (q_kᵀ u_r)²`; return `(ν, N)`.
 
@@ -390,13 +379,13 @@ def _correct(
     `_conv_eigen` (per-sample gradients formed from rotated factors, never rows). Other blocks
     rotate their rows.
     """
-    # for the GGN, the dense factor of a convolution bias, or of a Linear bias without
-    # positions, is the exact block B
+    # for the GGN, the dense factor of a convolution bias under "reduce", or of a Linear bias
+    # without positions, is the exact block B
     # (Σ over samples and outputs of (Σ_positions s)(Σ_positions s)ᵀ), so qᵀ B q is B's
     # eigenvalue, the value the block already has. Not so for sampled draws ("mc": the
     # correction takes fresh ones), the empirical factors of token losses, or the dense
     # factors of other layers (attention's, e.g., approximate their block).
-    exact = _exact_bias_blocks(model, blocks) if fisher_type == "type-2" else set()
+    exact = _exact_bias_blocks(model, blocks, kfac_approx) if fisher_type == "type-2" else set()
     if exact:
         exact -= _inexact_linear_biases(model, exact, next(iter(data))[0])
     targets = _rotatable(model, blocks)
@@ -482,7 +471,7 @@ def _correct(
                 total += nu
                 count += batch.num_samples
                 for s, b in zip(sums, rest):
-                    s += b.squares(rows[b.name])
+                    s += b.squares(b.gather(rows))
         finally:
             for p in frozen:
                 p.requires_grad_(True)
@@ -528,6 +517,9 @@ class EKFAC(CurvatureOperator):
         distributed: `data` is this rank's shard (see `accumulate`): None (default) when
             torch.distributed runs with more than one process, True, or False. Both sweeps are
             then collectives and every rank gets the whole data set's operator.
+        separate_weight_and_bias: As for `KFAC`: False folds a layer's bias into its weight's
+            block (one eigenbasis `Q_G ⊗ Q_Ã` of `[W | b]`, its corrected eigenvalues from the
+            gradients of `[W | b]`).
 
     Its scale is the data-set loss's, like `KFAC`'s: the corrected eigenvalues are
     `R Σ_r (q_kᵀ u_r)²` with `R` the reduction factor (`1/ν` or 1). Cost: one sweep for the
@@ -551,6 +543,7 @@ class EKFAC(CurvatureOperator):
         normaliser: Normaliser | None = None,
         num_samples: Callable[[Any], int] | None = None,
         distributed: bool | None = None,
+        separate_weight_and_bias: bool = True,
     ) -> None:
         needs_reiterable(data, "EKFAC")
         refuse_unfaithful_gradients(local_module(model), "EKFAC")
@@ -566,6 +559,7 @@ class EKFAC(CurvatureOperator):
             normaliser=normaliser,
             num_samples=num_samples,
             distributed=distributed,
+            separate_weight_and_bias=separate_weight_and_bias,
         )
         super().__init__(kfac.model, trainable(kfac.model))
         self.kfac = kfac
@@ -595,6 +589,7 @@ class EKFAC(CurvatureOperator):
                 num_samples,
                 group,
                 distributed,
+                kfac_approx,
             )
         #: what the data-set loss divides its summed terms by (`ν` for "mean", 1 for "sum")
         self.normaliser_total = total if reduction_of(lossfunc, normaliser) == "mean" else 1.0
@@ -603,20 +598,24 @@ class EKFAC(CurvatureOperator):
 
     @property
     def corrected(self) -> dict[str, Tensor]:
-        """`{parameter name: corrected eigenvalues}`, `(size_G, size_A)` or `(size_B,)`."""
+        """`{block name: corrected eigenvalues}`, `(size_G, size_A)` or `(size_B,)`."""
         return {b.name: b.values for b in self.blocks}
 
     def _matmat(self, V: Tensor) -> Tensor:
-        pieces = [b.apply(v, b.values) for b, v in zip(self.blocks, self.split(V))]
+        pieces = blockwise(
+            self.blocks, self.names, self.split(V), lambda b, v: b.apply(v, b.values)
+        )
         return torch.cat(pieces, dim=1).T
 
     def to_dense(self) -> Tensor:
         """The dense block-diagonal `[P, P]` matrix."""
-        return torch.block_diag(*[b.dense(b.values) for b in self.blocks])
+        dense = [b.dense(b.values) for b in self.blocks]
+        return assemble_dense(self.blocks, self.names, self.numels, dense)
 
     def diagonal(self) -> Tensor:
         """The diagonal, `(Q_G∘Q_G) Λ* (Q_A∘Q_A)ᵀ` per block."""
-        return torch.cat([b.diagonal(b.values) for b in self.blocks])
+        diags = [b.diagonal(b.values) for b in self.blocks]
+        return assemble_diagonal(self.blocks, self.names, self.numels, diags)
 
     def trace(self) -> Tensor:
         """The trace: the sum of the corrected eigenvalues (equal to the curvature's trace)."""
@@ -630,16 +629,17 @@ class EKFAC(CurvatureOperator):
         """`(E + λI)⁻¹`: `Q (Λ* + λ)⁻¹ Qᵀ` per block.
 
         Args:
-            damping: λ, one for all blocks or `{parameter name: λ}` per block.
+            damping: λ, one for all blocks or `{block name: λ}` per block (a block's name is
+                its parameter's, the weight's for a folded bias).
 
         Raises:
             ValueError: For a negative damping or a block without one.
         """
-        return EKFACInverse(self, _per_block(damping, self.names))
+        return EKFACInverse(self, _per_block(damping, [b.name for b in self.blocks]))
 
     def logdet(self, damping: float | Mapping[str, float] = 0.0) -> Tensor:
         """`log det(E + λI) = Σ log(Λ* + λ)` (-inf if singular)."""
-        per_block = _per_block(damping, self.names)
+        per_block = _per_block(damping, [b.name for b in self.blocks])
         return sum((b.values + per_block[b.name]).log().sum() for b in self.blocks)
 
 
@@ -654,10 +654,12 @@ class EKFACInverse(CurvatureOperator):
         self.damping = damping
 
     def _matmat(self, V: Tensor) -> Tensor:
-        pieces = [
-            b.apply(v, 1 / (b.values + self.damping[b.name]))
-            for b, v in zip(self.ekfac.blocks, self.split(V))
-        ]
+        pieces = blockwise(
+            self.ekfac.blocks,
+            self.names,
+            self.split(V),
+            lambda b, v: b.apply(v, 1 / (b.values + self.damping[b.name])),
+        )
         return torch.cat(pieces, dim=1).T
 
     def logdet(self) -> Tensor:

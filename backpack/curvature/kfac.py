@@ -17,6 +17,12 @@ import torch
 from torch import Tensor, nn
 
 from backpack.api import disable
+from backpack.curvature._blocks import (
+    BlockLayout,
+    assemble_dense,
+    assemble_diagonal,
+    blockwise,
+)
 from backpack.curvature._data import (
     Normaliser,
     batch_normaliser,
@@ -32,6 +38,7 @@ from backpack.curvature._distributed import (
     rank_of,
 )
 from backpack.curvature._forward import refuse_unfaithful_gradients
+from backpack.curvature._lent import kron_targets, lent
 from backpack.curvature.accumulate import accumulate
 from backpack.curvature.operators import CurvatureOperator
 from backpack.extensions import KFAC as KFACExtension
@@ -44,39 +51,35 @@ __all__ = ["KFAC", "KFACInverse"]
 _TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d, nn.Embedding)
 
 
-class _Block:
-    """One parameter's factors and how they act on its entries.
+class _Block(BlockLayout):
+    """One block's factors and how they act on its entries (see `BlockLayout`).
 
-    `factors` is `[G, A]` (the block is `G ⊗ A` on the row-major flattening of the parameter, or
-    of `parameter.transpose(0, 1)` when `transposed`) or `[B]` (dense on the flattening).
+    `factors` is `[G, A]` (the block is `G ⊗ A` on the `[g, a]` coordinates: the parameter, or
+    `parameter.transpose(0, 1)` when `transposed`, with a folded bias as a last column) or
+    `[B]` (dense on the flattening).
     """
 
-    def __init__(self, name: str, shape: tuple, factors: list[Tensor], transposed: bool) -> None:
-        self.name = name
-        self.shape = shape
+    def __init__(
+        self,
+        name: str,
+        shape: tuple,
+        factors: list[Tensor],
+        transposed: bool,
+        bias: str | None = None,
+    ) -> None:
+        super().__init__(name, shape, transposed, bias)
         self.factors = factors
-        self.transposed = transposed
         self._eig: list[tuple[Tensor, Tensor]] | None = None
 
     @property
     def sizes(self) -> tuple[int, ...]:
         return tuple(f.shape[0] for f in self.factors)
 
-    def to_own(self, v: Tensor) -> Tensor:
-        """`[K, *shape]` → `[K, *sizes]` in the factors' coordinates."""
-        if self.transposed:
-            v = v.transpose(1, 2)
-        return v.reshape(v.shape[0], *self.sizes)
-
-    def from_own(self, w: Tensor) -> Tensor:
-        """Inverse of `to_own`."""
-        if self.transposed:
-            swapped = (self.shape[1], self.shape[0], *self.shape[2:])
-            return w.reshape(w.shape[0], *swapped).transpose(1, 2).reshape(w.shape[0], -1)
-        return w.reshape(w.shape[0], -1)
+    def own_shape(self) -> tuple[int, ...]:  # noqa: D102
+        return self.sizes
 
     def apply(self, v: Tensor, mats: list[Tensor]) -> Tensor:
-        """`(M_0 ⊗ M_1) v` (or `M_0 v`) for `v` `[K, *shape]`, flattened `[K, numel]` out."""
+        """`(M_0 ⊗ M_1) v` (or `M_0 v`) for `v` `[K, numel]`, flattened `[K, numel]` out."""
         w = self.to_own(v)
         if len(mats) == 2:
             w = mats[0] @ w @ mats[1].T
@@ -84,12 +87,15 @@ class _Block:
             w = w @ mats[0].T
         return self.from_own(w)
 
-    def permutation(self) -> Tensor | None:
-        """Index `idx` with `param.flatten()[idx]` = the factors' flattening (None: identity)."""
-        if not self.transposed:
-            return None
-        numel = math.prod(self.shape)
-        return torch.arange(numel).reshape(self.shape).transpose(0, 1).flatten()
+    def dense(self, mats: list[Tensor]) -> Tensor:
+        """`M_0 ⊗ M_1` (or `M_0`) as `[numel, numel]` in the parameters' order."""
+        own = torch.kron(mats[0], mats[1]) if len(mats) == 2 else mats[0]
+        return self.place_dense(own)
+
+    def diagonal_of(self, diags: list[Tensor]) -> Tensor:
+        """The diagonal of `M_0 ⊗ M_1` from the factors' diagonals, in the parameters' order."""
+        d = torch.outer(diags[0], diags[1]).flatten() if len(diags) == 2 else diags[0]
+        return self.place_diagonal(d)
 
     def eig(self) -> list[tuple[Tensor, Tensor]]:
         """Eigenvalues (clamped at 0: the factors are PSD up to rounding) and eigenvectors."""
@@ -130,6 +136,47 @@ def _orientation(name: str, p: Tensor, factors: list[Tensor], owner: nn.Module |
         rule = find_rule(owner) if owner is not None else None
         return name.rsplit(".", 1)[-1] in getattr(rule, "KRON_TRANSPOSED", ())
     return fits[0]
+
+
+def _blocks(
+    model: nn.Module,
+    params: list[tuple[str, nn.Parameter]],
+    factors: dict[str, list[Tensor]],
+    folded: dict[str, str],
+) -> list[_Block]:
+    """One block per parameter, or per folded weight and bias, in the parameters' order.
+
+    A weight of `folded` whose input factor did not get the constant-1 input (its layer's own
+    call did not compute its factors: a weight used outside its module) keeps separate blocks.
+    """
+    owners = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), module)
+    shapes = {name: p for name, p in params}
+    joint = {}
+    for weight, bias in folded.items():
+        fs = factors.get(weight, [])
+        if bias not in shapes or weight not in shapes or len(fs) != 2:
+            continue
+        p = shapes[weight]
+        rows = fs[0].shape[0]
+        if rows * (fs[1].shape[0] - 1) == p.numel() and shapes[bias].numel() == rows:
+            joint[weight] = bias
+    skipped = set(joint.values())
+    blocks = []
+    for name, p in params:
+        if name in skipped:
+            continue
+        fs = factors[name]
+        owner = owners.get(id(p))
+        if name in joint:
+            plain = [fs[0], fs[1][:-1, :-1]]
+            transposed = _orientation(name, p, plain, owner)
+            blocks.append(_Block(name, tuple(p.shape), fs, transposed, joint[name]))
+        else:
+            blocks.append(_Block(name, tuple(p.shape), fs, _orientation(name, p, fs, owner)))
+    return blocks
 
 
 class _GradientProjection(nn.Module):
@@ -206,7 +253,11 @@ class KFAC(CurvatureOperator):
             sample (backpack's `KFAC`); "empirical": from the gradients of the samples' own
             losses (the Kronecker approximation of `EmpiricalFisher`, one backpropagated column).
         kfac_approx: "expand" or "reduce": the convention for layers sharing their weight over
-            positions (sequences, convolutions), see the docs' "Transformers" page.
+            positions (sequences, convolutions), see the docs' "Transformers" page. Both are
+            the published definitions (Eschenhagen et al., 2023), for convolutions too
+            ("expand": output positions act as samples); backpack's per-batch `KFLR`/`KFAC`
+            extensions keep the original BackPACK's convolution scale (docs: "Curvature of a
+            data set").
         mc_samples: Number of sampled labels for "mc".
         seed: Seed of the "mc" draws (the global RNG is forked, not advanced; under
             torch.distributed rank r draws from `seed + r`).
@@ -216,6 +267,12 @@ class KFAC(CurvatureOperator):
         distributed: `data` is this rank's shard (see `accumulate`): None (default) when
             torch.distributed runs with more than one process, True, or False. Every rank then
             builds the whole data set's factors (a collective).
+        separate_weight_and_bias: True (default): every parameter is a block of its own (a
+            bias gets `[G]`). False: the bias of an `nn.Linear`, transformers' `Conv1D` or a
+            convolution (both trainable, used by that layer only) is folded into its weight's
+            block as an appended constant-1 input: one block `G ⊗ Ã` of `[W | b]`,
+            `Ã = [[A, m], [mᵀ, 1]]` with `m` the mean input (the K-FAC papers' and kronfluence's
+            convention; curvlinops' option of the same name).
 
     The factors are those of the data-set loss (see `accumulate`): `A` averages all inputs of
     the data set, `G` sums the backpropagated outer products with the data-set loss's factor.
@@ -236,6 +293,7 @@ class KFAC(CurvatureOperator):
         normaliser: Normaliser | None = None,
         num_samples: Callable[[Any], int] | None = None,
         distributed: bool | None = None,
+        separate_weight_and_bias: bool = True,
     ) -> None:
         model = local_module(model)
         check_not_fully_sharded(model, "KFAC")
@@ -256,9 +314,48 @@ class KFAC(CurvatureOperator):
             )
         self.fisher_type = fisher_type
         self.kfac_approx = kfac_approx
+        self.separate_weight_and_bias = separate_weight_and_bias
         devices = [self.device] if self.device.type == "cuda" else []
+        targets, folded = kron_targets(model, kfac_approx, separate_weight_and_bias)
+        with lent(targets):
+            factors, total, count = self._sweep(
+                model,
+                lossfunc,
+                data,
+                extension,
+                fisher_type,
+                seed,
+                group,
+                devices,
+                progress,
+                normaliser,
+                num_samples,
+                distributed,
+            )
+        #: what the data-set loss divides its summed terms by (`ν` for "mean", 1 for "sum")
+        self.normaliser_total = total
+        #: the number of samples of the data set
+        self.num_samples_total = count
+        self.blocks = _blocks(model, params, factors, folded)
+
+    @staticmethod
+    def _sweep(
+        model,
+        lossfunc,
+        data,
+        extension,
+        fisher_type,
+        seed,
+        group,
+        devices,
+        progress,
+        normaliser,
+        num_samples,
+        distributed,
+    ) -> tuple[dict[str, list[Tensor]], float, int]:
+        """The factors `{name: [G, A] or [B]}`, `ν` and `N` of one sweep."""
         if fisher_type == "empirical":
-            factors, total, count = _empirical_factors(
+            return _empirical_factors(
                 model,
                 lossfunc,
                 data,
@@ -269,74 +366,45 @@ class KFAC(CurvatureOperator):
                 group,
                 distributed,
             )
-        else:
-            with torch.random.fork_rng(devices=devices):
-                torch.manual_seed(seed + rank_of(group))
-                result = accumulate(
-                    model,
-                    lossfunc,
-                    data,
-                    [extension],
-                    progress=progress,
-                    normaliser=normaliser,
-                    num_samples=num_samples,
-                    write=False,
-                    distributed=distributed,
-                )
-            factors = result.quantity(extension.savefield)
-            total, count = result.normaliser, result.num_samples
-        #: what the data-set loss divides its summed terms by (`ν` for "mean", 1 for "sum")
-        self.normaliser_total = total
-        #: the number of samples of the data set
-        self.num_samples_total = count
-        owners = {}
-        for module in model.modules():
-            for p in module.parameters(recurse=False):
-                owners.setdefault(id(p), module)
-        self.blocks = [
-            _Block(
-                name,
-                tuple(p.shape),
-                factors[name],
-                _orientation(name, p, factors[name], owners.get(id(p))),
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed + rank_of(group))
+            result = accumulate(
+                model,
+                lossfunc,
+                data,
+                [extension],
+                progress=progress,
+                normaliser=normaliser,
+                num_samples=num_samples,
+                write=False,
+                distributed=distributed,
             )
-            for name, p in params
-        ]
+        factors = result.quantity(extension.savefield)
+        return factors, result.normaliser, result.num_samples
 
     @property
     def factors(self) -> dict[str, list[Tensor]]:
-        """`{parameter name: [G, A] or [B]}` of the data-set loss."""
+        """`{block name: [G, A] or [B]}` of the data-set loss.
+
+        A block's name is its parameter's (the weight's, for a weight with its bias folded in).
+        """
         return {b.name: b.factors for b in self.blocks}
 
     def _matmat(self, V: Tensor) -> Tensor:
-        pieces = [b.apply(v, b.factors) for b, v in zip(self.blocks, self.split(V))]
+        pieces = blockwise(
+            self.blocks, self.names, self.split(V), lambda b, v: b.apply(v, b.factors)
+        )
         return torch.cat(pieces, dim=1).T
-
-    def _block_dense(self, block: _Block, mats: list[Tensor]) -> Tensor:
-        dense = torch.kron(mats[0], mats[1]) if len(mats) == 2 else mats[0]
-        idx = block.permutation()
-        if idx is None:
-            return dense
-        out = torch.empty_like(dense)
-        out[idx[:, None], idx[None, :]] = dense
-        return out
 
     def to_dense(self) -> Tensor:
         """The dense block-diagonal `[P, P]` matrix."""
-        return torch.block_diag(*[self._block_dense(b, b.factors) for b in self.blocks])
-
-    def _diag_of(self, block: _Block, diags: list[Tensor]) -> Tensor:
-        d = torch.outer(diags[0], diags[1]).flatten() if len(diags) == 2 else diags[0]
-        idx = block.permutation()
-        if idx is None:
-            return d
-        out = torch.empty_like(d)
-        out[idx] = d
-        return out
+        dense = [b.dense(b.factors) for b in self.blocks]
+        return assemble_dense(self.blocks, self.names, self.numels, dense)
 
     def diagonal(self) -> Tensor:
         """The diagonal: `diag(G) ⊗ diag(A)` per block."""
-        return torch.cat([self._diag_of(b, [f.diagonal() for f in b.factors]) for b in self.blocks])
+        diags = [b.diagonal_of([f.diagonal() for f in b.factors]) for b in self.blocks]
+        return assemble_diagonal(self.blocks, self.names, self.numels, diags)
 
     def trace(self) -> Tensor:
         """The trace: `Σ tr(G) tr(A)` over the blocks."""
@@ -388,7 +456,7 @@ class KFACInverse(CurvatureOperator):
         return block.from_own(w)
 
     def _matmat(self, V: Tensor) -> Tensor:
-        pieces = [self._block_inverse(b, v) for b, v in zip(self.kfac.blocks, self.split(V))]
+        pieces = blockwise(self.kfac.blocks, self.names, self.split(V), self._block_inverse)
         return torch.cat(pieces, dim=1).T
 
     def logdet(self) -> Tensor:

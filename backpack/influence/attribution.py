@@ -18,7 +18,6 @@ The strategy approximates `F` (block diagonal over the parameters except "identi
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -26,14 +25,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from backpack.curvature._data import Normaliser, digest, reduction_of, trainable
+from backpack.api import disable
+from backpack.curvature._data import Normaliser, digest, first_tensor, reduction_of, trainable
 from backpack.curvature._distributed import (
     all_sum,
     check_not_fully_sharded,
     guarded,
+    local_module,
     process_group,
     rank_of,
 )
+from backpack.curvature._lent import kron_layer, kron_targets
 from backpack.curvature._rows import row_batches
 from backpack.curvature.ekfac import EKFAC, EigenBlock, kfac_eigenblocks
 from backpack.curvature.kfac import KFAC
@@ -59,9 +61,21 @@ _FORMAT = 1
 
 
 def _diagonal_blocks(
-    model, lossfunc, data, fisher, mc_samples, seed, progress, normaliser, num_samples, group=None
+    model,
+    lossfunc,
+    data,
+    fisher,
+    mc_samples,
+    seed,
+    progress,
+    normaliser,
+    num_samples,
+    group=None,
+    folded: Mapping[str, str] | None = None,
 ) -> tuple[list[EigenBlock], int]:
     """`diag F` (the mean over the examples) per parameter, from one sweep of rows.
+
+    `folded`: `{weight: bias}` whose entries share one block (and one heuristic damping).
 
     Under torch.distributed (`group`), `data` is this rank's shard: the sums and counts of all
     ranks are added (one all-reduce) and sampled labels use `seed + rank`.
@@ -102,7 +116,7 @@ def _diagonal_blocks(
             "influence.fit",
         )
         count = int(round(total))
-    return _diagonal_result(params, sums, count), count
+    return _diagonal_result(params, sums, count, folded or {}), count
 
 
 def _diagonal_sums(
@@ -134,11 +148,27 @@ def _diagonal_sums(
     return sums, count
 
 
-def _diagonal_result(params, sums, count) -> list[EigenBlock]:
-    return [
-        EigenBlock(name, tuple(p.shape), [], (sums[name] / count).flatten().detach(), False)
-        for name, p in params
-    ]
+def _diagonal_result(params, sums, count, folded: Mapping[str, str]) -> list[EigenBlock]:
+    """One diagonal block per parameter, or per weight with its bias (`folded`)."""
+    shapes = {name: tuple(p.shape) for name, p in params}
+    biases = {b for w, b in folded.items() if w in shapes and b in shapes}
+    blocks = []
+    for name, _ in params:
+        if name in biases:
+            continue
+        values = (sums[name] / count).detach()
+        bias = folded.get(name)
+        if bias is None or bias not in shapes:
+            blocks.append(EigenBlock(name, shapes[name], [], values.flatten(), False))
+            continue
+        # the weight's rows are its first axis, or its second (transformers' `Conv1D`)
+        transposed = shapes[name][0] != shapes[bias][0]
+        block = EigenBlock(name, shapes[name], [], values, transposed, bias)
+        block.values = values.new_empty(block.rows, block.numel // block.rows)  # its coordinates
+        flat = torch.cat([values.flatten(), (sums[bias] / count).detach().flatten()])
+        block.values = block.to_own(flat[None])[0]
+        blocks.append(block)
+    return blocks
 
 
 class Influence:
@@ -177,16 +207,20 @@ class Influence:
             if blocks is None or damping is None:
                 raise ValueError(f"strategy {strategy!r} needs blocks and damping.")
             names = [name for name, _ in params]
-            if [b.name for b in blocks] != names:
+            covered = [n for b in blocks for n in b.names]
+            if sorted(covered) != sorted(names) or len(set(covered)) != len(covered):
                 raise ValueError(
                     "The model's trainable parameters are not those of the fit: "
-                    f"{names} vs. {[b.name for b in blocks]}."
+                    f"{names} vs. {covered}."
                 )
-            for b, (name, p) in zip(blocks, params):
-                if tuple(b.shape) != tuple(p.shape):
-                    raise ValueError(
-                        f"{name} has shape {tuple(p.shape)}, the fit's has {tuple(b.shape)}."
-                    )
+            shapes = {name: tuple(p.shape) for name, p in params}
+            for b in blocks:
+                expected = {b.name: tuple(b.shape)}
+                if b.bias is not None:
+                    expected[b.bias] = (b.rows,)
+                for name, shape in expected.items():
+                    if shapes[name] != shape:
+                        raise ValueError(f"{name} has shape {shapes[name]}, the fit's has {shape}.")
         self.model = model
         self.lossfunc = lossfunc
         self.strategy = strategy
@@ -222,7 +256,10 @@ class Influence:
         """`(F + λI)⁻¹ g` for gradients `{name: [K, *shape]}`; `{name: [K, numel]}` out."""
         if self.strategy == "identity":
             return {name: value.flatten(1) for name, value in rows.items()}
-        return {b.name: b.apply(rows[b.name], self._scale(b)) for b in self.blocks}
+        out: dict[str, Tensor] = {}
+        for b in self.blocks:
+            out.update(b.scatter(b.apply(b.gather(rows), self._scale(b))))
+        return out
 
     def _sites(self, data: Iterable, progress: bool, per_token: bool, factored: bool, desc: str):
         """`site_batches` recording the layers that `per_token` / `factored` need."""
@@ -246,21 +283,24 @@ class Influence:
             self.num_samples,
         )
 
-    def _precondition_sites(self, sites: list[Site], block: EigenBlock | None) -> Tensor:
-        """`(F + λI)⁻¹ g` block `[N, numel]` of one parameter, a few samples at a time."""
-        n = sites[0].num_samples
-        numel = math.prod(sites[0].shape)
-        if block is None:  # identity
-            return dense(sites).reshape(n, numel)
+    def _precondition_sites(
+        self, sites: Mapping[str, list[Site]], block: EigenBlock
+    ) -> dict[str, Tensor]:
+        """`(F + λI)⁻¹ g` of one block, `{name: [N, numel]}`, a few samples at a time."""
+        names = block.names
+        n = sites[names[0]][0].num_samples
+        numel = block.numel
         out = None
         step = max(1, CHUNK_ENTRIES // max(numel, 1))
         scale = self._scale(block)
         for start in range(0, n, step):
-            value = block.apply(dense(sites, start, min(start + step, n)), scale)
+            stop = min(start + step, n)
+            rows = {name: dense(sites[name], start, stop) for name in names}
+            value = block.apply(block.gather(rows), scale)
             if out is None:
                 out = value.new_empty(n, numel)
             out[start : start + value.shape[0]] = value
-        return out
+        return block.scatter(out)
 
     def _query(
         self, query_data: Iterable, progress: bool, factored: bool
@@ -271,12 +311,15 @@ class Influence:
         """
         pieces: dict[str, list[Tensor]] = {}
         factors: dict[str, list[Site] | None] = {}
-        blocks = {b.name: b for b in self.blocks} if self.blocks is not None else {}
         for _, sites in self._sites(query_data, progress, False, factored, "query gradients"):
-            for name, value in sites.items():
-                pieces.setdefault(name, []).append(
-                    self._precondition_sites(value, blocks.get(name))
-                )
+            if self.blocks is None:  # identity
+                for name, value in sites.items():
+                    n = value[0].num_samples
+                    pieces.setdefault(name, []).append(dense(value).reshape(n, -1))
+            else:
+                for block in self.blocks:
+                    for name, value in self._precondition_sites(sites, block).items():
+                        pieces.setdefault(name, []).append(value)
             for name, value in sites.items():
                 keep = self.strategy == "identity" and len(value) == 1 and value[0].kind == "outer"
                 if not keep:
@@ -427,7 +470,10 @@ class Influence:
                 out.append(total)
             else:
                 out.append(
-                    sum(b.quadratic(dense(sites[b.name]), self._scale(b)) for b in self.blocks)
+                    sum(
+                        b.quadratic(b.gather({n: dense(sites[n]) for n in b.names}), self._scale(b))
+                        for b in self.blocks
+                    )
                 )
         return torch.cat(out)
 
@@ -480,10 +526,58 @@ class Influence:
         return f"Influence(strategy={self.strategy!r}, info={self.info})"
 
 
-def _damping(blocks: list[EigenBlock], damping: float | None) -> dict[str, float]:
+def _damping(
+    blocks: list[EigenBlock], damping: float | Mapping[str, float] | None
+) -> dict[str, float]:
+    """λ per block: the heuristic (None), one value, or `{block name: λ}`."""
     if damping is None:
         return {b.name: HEURISTIC_DAMPING * float(b.values.mean()) for b in blocks}
+    if isinstance(damping, Mapping):
+        missing = [b.name for b in blocks if b.name not in damping]
+        if missing:
+            raise ValueError(f"damping has no value for the blocks {missing}.")
+        return {b.name: float(damping[b.name]) for b in blocks}
     return {b.name: float(damping) for b in blocks}
+
+
+def _positions(
+    model: nn.Module,
+    blocks: list[EigenBlock],
+    X: Any,
+    num_samples: Callable[[Any], int] | None,
+) -> dict[str, int]:
+    """`{block name: T}`: the output positions per example of each Kronecker block's layer.
+
+    For the blocks of `nn.Linear` (and `Conv1D`) layers and convolutions, from one forward of
+    the first batch's inputs `X`: the layer's output entries per example over its output
+    features (a Linear layer on `[N, T, in]`: T; a convolution: its output positions). Other
+    blocks: 1.
+    """
+    modules = dict(model.named_modules())
+    layers = {}
+    for b in blocks:
+        owner = modules.get(b.name.rpartition(".")[0])
+        if len(b.vectors) == 2 and owner is not None and kron_layer(owner):
+            layers.setdefault(owner, []).append(b)
+    sizes: dict[nn.Module, int] = {}
+
+    def hook(module: nn.Module, args: tuple, output: Any) -> None:
+        out = first_tensor(output)
+        sizes[module] = sizes.get(module, 0) + (out.numel() if out is not None else 0)
+
+    handles = [m.register_forward_hook(hook) for m in layers]
+    try:
+        with torch.no_grad(), disable():
+            model(X)
+    finally:
+        for handle in handles:
+            handle.remove()
+    n = num_samples(X) if num_samples is not None else first_tensor(X).shape[0]
+    out = {b.name: 1 for b in blocks}
+    for module, members in layers.items():
+        for b in members:
+            out[b.name] = max(1, sizes.get(module, 0) // (n * b.rows))
+    return out
 
 
 def fit(
@@ -491,7 +585,7 @@ def fit(
     lossfunc: Any,
     train_data: Iterable,
     strategy: str = "ekfac",
-    damping: float | None = None,
+    damping: float | Mapping[str, float] | None = None,
     fisher: str = "true",
     mc_samples: int = 1,
     seed: int = 0,
@@ -500,6 +594,8 @@ def fit(
     normaliser: Normaliser | None = None,
     num_samples: Callable[[Any], int] | None = None,
     distributed: bool | None = None,
+    separate_weight_and_bias: bool = True,
+    kfac_positions: str = "sum",
 ) -> Influence:
     """Fit the curvature approximation of `strategy` to the training data (once).
 
@@ -511,9 +607,10 @@ def fit(
         strategy: How `F` is approximated: "identity" (`F + λI` replaced by `I`: plain
             gradient dot products, no fit), "diagonal" (`diag F`), "kfac" (`G ⊗ A` per
             parameter) or "ekfac" (KFAC's eigenbasis with `F`'s own eigenvalues in it).
-        damping: λ for every block; None: per block, `0.1 ×` the mean of its eigenvalues (for
-            "diagonal": of its diagonal entries). Directions where both the approximation and
-            λ vanish are left out (a pseudo-inverse).
+        damping: λ for every block, or `{block name: λ}` per block (a block's name is its
+            parameter's; the weight's for a folded bias); None: per block, `0.1 ×` the mean of
+            its eigenvalues (for "diagonal": of its diagonal entries). Directions where both the
+            approximation and λ vanish are left out (a pseudo-inverse).
         fisher: "true" (labels sampled from the model), "type-2" (its exact expectation, the
             GGN) or "empirical" (the data's labels).
         mc_samples: Sampled labels per example for "true".
@@ -527,6 +624,15 @@ def fit(
             training set and every rank gets the fit of the whole set (None: whenever
             torch.distributed runs with more than one process; a collective call then). Each
             rank's `scores(query_data, train_data)` are then the columns of its own shard.
+        separate_weight_and_bias: False folds the bias of an `nn.Linear`, `Conv1D` or
+            convolution into its weight's block: for "kfac" and "ekfac" one Kronecker block per
+            layer (the K-FAC papers' and kronfluence's, see `KFAC`), for "diagonal" one block
+            per layer as far as the heuristic damping goes (kronfluence's mean per module).
+        kfac_positions: For "kfac": "sum" (default) takes `F` per example, summed over a
+            layer's positions (the published "expand" definition); "mean" divides the block of
+            every `nn.Linear`/`Conv1D` layer and convolution by its number of output positions
+            T (a sequence's tokens, a convolution's output pixels), kronfluence's covariances
+            averaged over all positions. With `damping=None` the heuristic λ scales along.
 
     Returns:
         An `Influence` with `scores`, `self_scores`, `save`.
@@ -543,9 +649,17 @@ def fit(
     check_not_fully_sharded(model, "influence.fit")
     if fisher not in _FISHERS:
         raise ValueError(f"fisher must be one of {tuple(_FISHERS)}, got {fisher!r}.")
-    if damping is not None and damping < 0:
+    values = damping.values() if isinstance(damping, Mapping) else [damping]
+    if any(v is not None and v < 0 for v in values):
         raise ValueError(f"damping must be non-negative, got {damping}.")
-    info: dict[str, Any] = {"fisher": fisher, "kfac_approx": kfac_approx}
+    if kfac_positions not in ("sum", "mean"):
+        raise ValueError(f"kfac_positions must be 'sum' or 'mean', got {kfac_positions!r}.")
+    info: dict[str, Any] = {
+        "fisher": fisher,
+        "kfac_approx": kfac_approx,
+        "separate_weight_and_bias": separate_weight_and_bias,
+        "kfac_positions": kfac_positions,
+    }
     if strategy == "identity":
         return Influence(
             model, lossfunc, strategy, info=info, normaliser=normaliser, num_samples=num_samples
@@ -553,8 +667,17 @@ def fit(
     group = process_group(distributed, "influence.fit")
     common = dict(progress=progress, normaliser=normaliser, num_samples=num_samples)
     if strategy == "diagonal":
+        folded = {} if separate_weight_and_bias else kron_targets(local_module(model), "", False)[1]
         blocks, count = _diagonal_blocks(
-            model, lossfunc, train_data, fisher, mc_samples, seed, **common, group=group
+            model,
+            lossfunc,
+            train_data,
+            fisher,
+            mc_samples,
+            seed,
+            **common,
+            group=group,
+            folded=folded,
         )
     else:
         operator_args = dict(
@@ -563,6 +686,7 @@ def fit(
             mc_samples=mc_samples,
             seed=seed,
             distributed=group is not None,
+            separate_weight_and_bias=separate_weight_and_bias,
             **common,
         )
         if strategy == "kfac":
@@ -574,8 +698,14 @@ def fit(
         count = op.num_samples_total
         # the operators' scale is the data-set loss's (R Σ_n); F is the mean over examples
         factor = op.normaliser_total / count
+        scale = dict.fromkeys([b.name for b in blocks], factor)
+        if strategy == "kfac" and kfac_positions == "mean":
+            first = next(iter(train_data))[0]
+            for name, t in _positions(op.model, blocks, first, num_samples).items():
+                scale[name] = factor / t
         blocks = [
-            EigenBlock(b.name, b.shape, b.vectors, b.values * factor, b.transposed) for b in blocks
+            EigenBlock(b.name, b.shape, b.vectors, b.values * scale[b.name], b.transposed, b.bias)
+            for b in blocks
         ]
     info["num_samples"] = count
     damping_of = _damping(blocks, damping)
