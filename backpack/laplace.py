@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from backpack.api import backpack, extend
 from backpack.curvature import EKFAC, KFAC
+from backpack.curvature._sweep import Sweep
 from backpack.extensions import (
     BatchGrad,
     DiagGGNExact,
@@ -536,17 +537,21 @@ class EKFACLaplace(ParametricLaplace):
             fisher = "mc" if backend.stochastic else "type-2"
             mc = backend.num_samples
         seed = _seed() if fisher == "mc" else 0
+        sweep = Sweep(
+            backend._flat,
+            backend.lossfunc,
+            data,
+            progress=progress_bar,
+            num_samples=backend._num_samples,
+            what="EKFACLaplace",
+        )
         with backend._only_selected():
-            op = EKFAC(
-                backend._flat,
-                backend.lossfunc,
-                data,
+            op = EKFAC._from_sweep(
+                sweep,
                 fisher_type=fisher,
                 kfac_approx=backend.kfac_approx,
                 mc_samples=mc,
                 seed=seed,
-                progress=progress_bar,
-                num_samples=backend._num_samples,
                 separate_weight_and_bias=backend.separate_weight_and_bias,
             )
         names = backend._names()

@@ -23,23 +23,12 @@ from backpack.curvature._blocks import (
     assemble_diagonal,
     blockwise,
 )
-from backpack.curvature._data import (
-    Normaliser,
-    batch_normaliser,
-    first_tensor,
-    reduction_of,
-    trainable,
-)
-from backpack.curvature._distributed import (
-    all_sum,
-    check_not_fully_sharded,
-    local_module,
-    process_group,
-    rank_of,
-)
+from backpack.curvature._data import Normaliser, first_tensor
+from backpack.curvature._distributed import all_sum, check_not_fully_sharded, local_module
 from backpack.curvature._forward import refuse_unfaithful_gradients
 from backpack.curvature._lent import kron_targets, lent
-from backpack.curvature.accumulate import accumulate
+from backpack.curvature._sweep import Sweep
+from backpack.curvature.accumulate import accumulate_over
 from backpack.curvature.operators import CurvatureOperator
 from backpack.extensions import KFAC as KFACExtension
 from backpack.extensions import KFLR
@@ -188,54 +177,48 @@ class _GradientProjection(nn.Module):
     layer's output (its `A` does not depend on the loss). That is the empirical-Fisher `G`.
     """
 
-    def __init__(self, model, lossfunc, normaliser, num_samples) -> None:
+    def __init__(self, sweep: Sweep) -> None:
         super().__init__()
-        self.inner = model
-        self.lossfunc = lossfunc
-        self.normaliser = normaliser
-        self.num_samples = num_samples
-        self.reduction = reduction_of(lossfunc, normaliser)
+        self.inner = sweep.model
+        self.sweep = sweep
         self.total = 0.0
 
     def forward(self, inputs):  # noqa: D102
         X, y = inputs
         f = self.inner(X)
-        nu = batch_normaliser(self.lossfunc, f, y, self.normaliser)
+        nu = self.sweep.nu(f, y)
         self.total += nu
         with torch.enable_grad(), disable():
             detached = f.detach().requires_grad_()
-            (g,) = torch.autograd.grad(self.lossfunc(detached, y), detached)
-        if self.reduction == "mean":
+            (g,) = torch.autograd.grad(self.sweep.lossfunc(detached, y), detached)
+        if self.sweep.reduction == "mean":
             g = g * nu  # gradients of the samples' unreduced losses
-        n = self.num_samples(X) if self.num_samples is not None else first_tensor(X).shape[0]
+        n = self.sweep.samples(X)
         return (f * g).reshape(n, -1).sum(1, keepdim=True)
 
 
-def _empirical_factors(
-    model, lossfunc, data, extension, progress, normaliser, num_samples, group, distributed
-):
+def _empirical_factors(sweep: Sweep, extension: Any):
     """`[G, A]` of the empirical Fisher `R Σ_n ∇ℓ_n ∇ℓ_nᵀ` (see `_GradientProjection`)."""
-    wrapper = _GradientProjection(model, lossfunc, normaliser, num_samples)
-    dtype = next(p for p in model.parameters() if p.requires_grad).dtype
+    wrapper = _GradientProjection(sweep)
+    dtype = sweep.dtype
 
     def projected():
-        for X, y in data:
-            n = num_samples(X) if num_samples is not None else first_tensor(X).shape[0]
-            target = torch.zeros(n, 1, dtype=dtype, device=first_tensor(X).device)
+        for X, y in sweep.data:
+            target = torch.zeros(sweep.samples(X), 1, dtype=dtype, device=first_tensor(X).device)
             yield (X, y), target
 
-    result = accumulate(
-        wrapper,
-        nn.MSELoss(reduction="sum"),
-        projected(),
-        [extension],
-        progress=progress,
-        write=False,
-        distributed=distributed,
+    projection = sweep.replace(
+        model=wrapper,
+        lossfunc=nn.MSELoss(reduction="sum"),
+        data=projected(),
+        normaliser=None,
+        num_samples=lambda inputs: sweep.samples(inputs[0]),
     )
+    result = accumulate_over(projection, [extension])
+    group = sweep.group
     if group is not None:  # every rank's sweep succeeded (accumulate agreed on it)
         (wrapper.total,) = all_sum(group, [], [wrapper.total], None, "sum KFAC's normalisers")
-    scale = 2 * (wrapper.total if wrapper.reduction == "mean" else 1.0)
+    scale = 2 * sweep.total(wrapper.total)
     factors = result.quantity(extension.savefield)
     factors = {name[len("inner.") :]: [f[0] / scale, *f[1:]] for name, f in factors.items()}
     return factors, scale / 2, result.num_samples
@@ -298,10 +281,49 @@ class KFAC(CurvatureOperator):
         model = local_module(model)
         check_not_fully_sharded(model, "KFAC")
         refuse_unfaithful_gradients(model, "KFAC")
-        group = process_group(distributed, "KFAC")
-        params = trainable(model)
+        sweep = Sweep(
+            model,
+            lossfunc,
+            data,
+            progress=progress,
+            normaliser=normaliser,
+            num_samples=num_samples,
+            distributed=distributed,
+            what="KFAC",
+        )
+        self._build(sweep, fisher_type, kfac_approx, mc_samples, seed, separate_weight_and_bias)
+
+    @classmethod
+    def _from_sweep(
+        cls,
+        sweep: Sweep,
+        fisher_type: str = "type-2",
+        kfac_approx: str = "expand",
+        mc_samples: int = 1,
+        seed: int = 0,
+        separate_weight_and_bias: bool = True,
+    ) -> KFAC:
+        """`KFAC` of a prepared `Sweep` (the data-set layer's own entry; arguments as above)."""
+        check_not_fully_sharded(sweep.model, "KFAC")
+        refuse_unfaithful_gradients(sweep.model, "KFAC")
+        op = cls.__new__(cls)
+        op._build(sweep, fisher_type, kfac_approx, mc_samples, seed, separate_weight_and_bias)
+        return op
+
+    def _build(
+        self,
+        sweep: Sweep,
+        fisher_type: str,
+        kfac_approx: str,
+        mc_samples: int,
+        seed: int,
+        separate_weight_and_bias: bool,
+    ) -> None:
+        model = sweep.model
+        params = sweep.trainable()
         super().__init__(model, params)
-        self._group = group
+        #: the model, loss and data the factors were swept from
+        self.sweep = sweep
         if fisher_type == "type-2":
             extension = KFLR(kfac_approx=kfac_approx)
         elif fisher_type == "mc":
@@ -315,72 +337,24 @@ class KFAC(CurvatureOperator):
         self.fisher_type = fisher_type
         self.kfac_approx = kfac_approx
         self.separate_weight_and_bias = separate_weight_and_bias
-        devices = [self.device] if self.device.type == "cuda" else []
         targets, folded = kron_targets(model, kfac_approx, separate_weight_and_bias)
         with lent(targets):
-            factors, total, count = self._sweep(
-                model,
-                lossfunc,
-                data,
-                extension,
-                fisher_type,
-                seed,
-                group,
-                devices,
-                progress,
-                normaliser,
-                num_samples,
-                distributed,
-            )
+            if fisher_type == "empirical":
+                factors, total, count = _empirical_factors(sweep, extension)
+            else:
+                devices = [self.device] if self.device.type == "cuda" else []
+                with torch.random.fork_rng(devices=devices):
+                    torch.manual_seed(seed + sweep.rank)
+                    result = accumulate_over(sweep, [extension])
+                factors = result.quantity(extension.savefield)
+                total, count = result.normaliser, result.num_samples
         #: what the data-set loss divides its summed terms by (`ν` for "mean", 1 for "sum")
         self.normaliser_total = total
         #: the number of samples of the data set
         self.num_samples_total = count
         self.blocks = _blocks(model, params, factors, folded)
 
-    @staticmethod
-    def _sweep(
-        model,
-        lossfunc,
-        data,
-        extension,
-        fisher_type,
-        seed,
-        group,
-        devices,
-        progress,
-        normaliser,
-        num_samples,
-        distributed,
-    ) -> tuple[dict[str, list[Tensor]], float, int]:
-        """The factors `{name: [G, A] or [B]}`, `ν` and `N` of one sweep."""
-        if fisher_type == "empirical":
-            return _empirical_factors(
-                model,
-                lossfunc,
-                data,
-                extension,
-                progress,
-                normaliser,
-                num_samples,
-                group,
-                distributed,
-            )
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed + rank_of(group))
-            result = accumulate(
-                model,
-                lossfunc,
-                data,
-                [extension],
-                progress=progress,
-                normaliser=normaliser,
-                num_samples=num_samples,
-                write=False,
-                distributed=distributed,
-            )
-        factors = result.quantity(extension.savefield)
-        return factors, result.normaliser, result.num_samples
+    _group = property(lambda self: self.sweep.group)
 
     @property
     def factors(self) -> dict[str, list[Tensor]]:

@@ -26,17 +26,17 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from backpack.api import disable
-from backpack.curvature._data import Normaliser, digest, first_tensor, reduction_of, trainable
+from backpack.curvature._data import Normaliser, digest, first_tensor, trainable
 from backpack.curvature._distributed import (
     all_sum,
     check_not_fully_sharded,
     guarded,
-    local_module,
     process_group,
     rank_of,
 )
 from backpack.curvature._lent import kron_layer, kron_targets
 from backpack.curvature._rows import row_batches
+from backpack.curvature._sweep import Sweep
 from backpack.curvature.ekfac import EKFAC, EigenBlock, kfac_eigenblocks
 from backpack.curvature.kfac import KFAC
 from backpack.influence._sites import (
@@ -61,40 +61,20 @@ _FORMAT = 1
 
 
 def _diagonal_blocks(
-    model,
-    lossfunc,
-    data,
-    fisher,
-    mc_samples,
-    seed,
-    progress,
-    normaliser,
-    num_samples,
-    group=None,
-    folded: Mapping[str, str] | None = None,
+    sweep: Sweep, fisher: str, mc_samples: int, seed: int, folded: Mapping[str, str]
 ) -> tuple[list[EigenBlock], int]:
     """`diag F` (the mean over the examples) per parameter, from one sweep of rows.
 
     `folded`: `{weight: bias}` whose entries share one block (and one heuristic damping).
 
-    Under torch.distributed (`group`), `data` is this rank's shard: the sums and counts of all
-    ranks are added (one all-reduce) and sampled labels use `seed + rank`.
+    Under torch.distributed (the sweep's group), the data is this rank's shard: the sums and
+    counts of all ranks are added (one all-reduce) and sampled labels use `seed + rank`.
     """
-    params = trainable(model)
+    group = sweep.group
+    params = sweep.trainable()
     done, error = guarded(
         group,
-        lambda: _diagonal_sums(
-            model,
-            lossfunc,
-            data,
-            fisher,
-            mc_samples,
-            seed + (0 if group is None else rank_of(group)),
-            progress,
-            normaliser,
-            num_samples,
-            params,
-        ),
+        lambda: _diagonal_sums(sweep, fisher, mc_samples, seed + sweep.rank, params),
         "influence.fit",
     )
     if group is None:
@@ -116,11 +96,11 @@ def _diagonal_blocks(
             "influence.fit",
         )
         count = int(round(total))
-    return _diagonal_result(params, sums, count, folded or {}), count
+    return _diagonal_result(params, sums, count, folded), count
 
 
 def _diagonal_sums(
-    model, lossfunc, data, fisher, mc_samples, seed, progress, normaliser, num_samples, params
+    sweep: Sweep, fisher: str, mc_samples: int, seed: int, params
 ) -> tuple[dict[str, Tensor], int]:
     """This process's sums of squared rows, and its number of examples."""
     sums = {name: torch.zeros_like(p, memory_format=torch.contiguous_format) for name, p in params}
@@ -128,10 +108,8 @@ def _diagonal_sums(
     devices = [p.device for _, p in params[:1] if p.device.type == "cuda"]
     kind = {"true": "mc", "type-2": "type-2", "empirical": "grad"}[fisher]
     if fisher == "empirical":  # the gradients' squares, from factors where they allow
-        classes, _ = recorded_classes(model, False)
-        for batch, sites in site_batches(
-            model, lossfunc, data, classes, progress, "diagonal", normaliser, num_samples
-        ):
+        classes, _ = recorded_classes(sweep.model, False)
+        for batch, sites in site_batches(sweep, classes, "diagonal"):
             count += batch.num_samples
             for name, value in sites.items():
                 sums[name] += square_sum(value)
@@ -139,9 +117,7 @@ def _diagonal_sums(
         return sums, count
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
-        for batch, rows, _ in row_batches(
-            model, lossfunc, data, kind, mc_samples, progress, "diagonal", normaliser, num_samples
-        ):
+        for batch, rows, _ in row_batches(sweep, kind, mc_samples, "diagonal"):
             count += batch.num_samples
             for name, value in rows.items():
                 sums[name] += value.square().sum(0).detach()
@@ -202,7 +178,43 @@ class Influence:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
         check_not_fully_sharded(model, "backpack.influence")
-        params = trainable(model)
+        # the model and loss whose gradients are scored (each call's data: `sweep.over`);
+        # built here, which fails early on an unusable loss
+        sweep = Sweep(
+            model,
+            lossfunc,
+            None,
+            normaliser=normaliser,
+            num_samples=num_samples,
+            distributed=False,
+            what="backpack.influence",
+        )
+        self._setup(sweep, strategy, blocks, damping, info)
+
+    @classmethod
+    def _from_sweep(
+        cls,
+        sweep: Sweep,
+        strategy: str,
+        blocks: list[EigenBlock] | None,
+        damping: Mapping[str, float] | None,
+        info: Mapping[str, Any],
+    ) -> Influence:
+        """The fit of `sweep`'s model and loss (`fit`'s own entry; arguments as above)."""
+        out = cls.__new__(cls)
+        local = sweep.replace(data=None, group=None, distributed=False, progress=False)
+        out._setup(local, strategy, blocks, damping, info)
+        return out
+
+    def _setup(
+        self,
+        sweep: Sweep,
+        strategy: str,
+        blocks: list[EigenBlock] | None,
+        damping: Mapping[str, float] | None,
+        info: Mapping[str, Any] | None,
+    ) -> None:
+        params = sweep.trainable()
         if strategy != "identity":
             if blocks is None or damping is None:
                 raise ValueError(f"strategy {strategy!r} needs blocks and damping.")
@@ -221,29 +233,22 @@ class Influence:
                 for name, shape in expected.items():
                     if shapes[name] != shape:
                         raise ValueError(f"{name} has shape {shapes[name]}, the fit's has {shape}.")
-        self.model = model
-        self.lossfunc = lossfunc
         self.strategy = strategy
         self.blocks = blocks
         self.damping = dict(damping) if damping is not None else None
         self.info = dict(info or {})
-        self.normaliser = normaliser
-        self.num_samples = num_samples
-        reduction_of(lossfunc, normaliser)  # fail early on an unusable loss
+        #: the model and loss whose gradients are scored (each call's data: `sweep.over`)
+        self.sweep = sweep
+
+    model = property(lambda self: self.sweep.model, doc="The model whose gradients are scored.")
+    lossfunc = property(lambda self: self.sweep.lossfunc, doc="The loss.")
+    normaliser = property(lambda self: self.sweep.normaliser, doc="Custom `(output, y) -> ν_b`.")
+    num_samples = property(lambda self: self.sweep.num_samples, doc="Custom sample count.")
 
     # --- per-example gradients and the preconditioner ---------------------------------------
     def gradients(self, data: Iterable, progress: bool = False) -> Iterator[dict[str, Tensor]]:
         """Yield `{parameter name: [n_b, *shape]}`: each batch's gradients of its own losses."""
-        for _, rows, _ in row_batches(
-            self.model,
-            self.lossfunc,
-            data,
-            "grad",
-            progress=progress,
-            desc="gradients",
-            normaliser=self.normaliser,
-            num_samples=self.num_samples,
-        ):
+        for _, rows, _ in row_batches(self.sweep.over(data, progress), "grad", desc="gradients"):
             yield {name: value.detach() for name, value in rows.items()}
 
     def _scale(self, block: EigenBlock) -> Tensor:
@@ -272,16 +277,7 @@ class Influence:
                     f"position; not: {', '.join(uncovered)}. Freeze them "
                     "(requires_grad_(False)) or score whole sequences (per_token=False)."
                 )
-        return site_batches(
-            self.model,
-            self.lossfunc,
-            data,
-            classes,
-            progress,
-            desc,
-            self.normaliser,
-            self.num_samples,
-        )
+        return site_batches(self.sweep.over(data, progress), classes, desc)
 
     def _precondition_sites(
         self, sites: Mapping[str, list[Site]], block: EigenBlock
@@ -540,19 +536,14 @@ def _damping(
     return {b.name: float(damping) for b in blocks}
 
 
-def _positions(
-    model: nn.Module,
-    blocks: list[EigenBlock],
-    X: Any,
-    num_samples: Callable[[Any], int] | None,
-) -> dict[str, int]:
+def _positions(sweep: Sweep, blocks: list[EigenBlock]) -> dict[str, int]:
     """`{block name: T}`: the output positions per example of each Kronecker block's layer.
 
     For the blocks of `nn.Linear` (and `Conv1D`) layers and convolutions, from one forward of
-    the first batch's inputs `X`: the layer's output entries per example over its output
-    features (a Linear layer on `[N, T, in]`: T; a convolution: its output positions). Other
-    blocks: 1.
+    the sweep's first batch: the layer's output entries per example over its output features
+    (a Linear layer on `[N, T, in]`: T; a convolution: its output positions). Other blocks: 1.
     """
+    model, X = sweep.model, sweep.first_inputs()
     modules = dict(model.named_modules())
     layers = {}
     for b in blocks:
@@ -572,7 +563,7 @@ def _positions(
     finally:
         for handle in handles:
             handle.remove()
-    n = num_samples(X) if num_samples is not None else first_tensor(X).shape[0]
+    n = sweep.samples(X)
     out = {b.name: 1 for b in blocks}
     for module, members in layers.items():
         for b in members:
@@ -664,44 +655,39 @@ def fit(
         return Influence(
             model, lossfunc, strategy, info=info, normaliser=normaliser, num_samples=num_samples
         )
-    group = process_group(distributed, "influence.fit")
-    common = dict(progress=progress, normaliser=normaliser, num_samples=num_samples)
+    sweep = Sweep(
+        model,
+        lossfunc,
+        train_data,
+        progress=progress,
+        normaliser=normaliser,
+        num_samples=num_samples,
+        distributed=distributed,
+        what="influence.fit",
+    )
     if strategy == "diagonal":
-        folded = {} if separate_weight_and_bias else kron_targets(local_module(model), "", False)[1]
-        blocks, count = _diagonal_blocks(
-            model,
-            lossfunc,
-            train_data,
-            fisher,
-            mc_samples,
-            seed,
-            **common,
-            group=group,
-            folded=folded,
-        )
+        folded = {} if separate_weight_and_bias else kron_targets(sweep.model, "", False)[1]
+        blocks, count = _diagonal_blocks(sweep, fisher, mc_samples, seed, folded)
     else:
         operator_args = dict(
             fisher_type=_FISHERS[fisher],
             kfac_approx=kfac_approx,
             mc_samples=mc_samples,
             seed=seed,
-            distributed=group is not None,
             separate_weight_and_bias=separate_weight_and_bias,
-            **common,
         )
         if strategy == "kfac":
-            op = KFAC(model, lossfunc, train_data, **operator_args)
+            op = KFAC._from_sweep(sweep, **operator_args)
             blocks = kfac_eigenblocks(op)
         else:
-            op = EKFAC(model, lossfunc, train_data, **operator_args)
+            op = EKFAC._from_sweep(sweep, **operator_args)
             blocks = op.blocks
         count = op.num_samples_total
         # the operators' scale is the data-set loss's (R Σ_n); F is the mean over examples
         factor = op.normaliser_total / count
         scale = dict.fromkeys([b.name for b in blocks], factor)
         if strategy == "kfac" and kfac_positions == "mean":
-            first = next(iter(train_data))[0]
-            for name, t in _positions(op.model, blocks, first, num_samples).items():
+            for name, t in _positions(sweep, blocks).items():
                 scale[name] = factor / t
         blocks = [
             EigenBlock(b.name, b.shape, b.vectors, b.values * scale[b.name], b.transposed, b.bias)
@@ -709,7 +695,7 @@ def fit(
         ]
     info["num_samples"] = count
     damping_of = _damping(blocks, damping)
-    return Influence(model, lossfunc, strategy, blocks, damping_of, info, normaliser, num_samples)
+    return Influence._from_sweep(sweep, strategy, blocks, damping_of, info)
 
 
 def load(
