@@ -61,8 +61,14 @@ def row_batches(
             saved = [p.grad for _, p in params]
             for _, p in params:  # backward would add into the saved tensors in place
                 p.grad = None
-            with backpack(extension, sync=False):
-                loss.backward()
+            try:
+                with backpack(extension, sync=False):
+                    loss.backward()
+            except BaseException:  # leave the parameters as they were
+                for (_, p), g in zip(params, saved):
+                    p.__dict__.pop(field, None)
+                    p.grad = g
+                raise
         scale = sweep.scale(nu)
         rows = {}
         for (name, p), g in zip(params, saved):

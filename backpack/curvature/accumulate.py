@@ -29,7 +29,7 @@ from backpack.curvature._sweep import Sweep
 from backpack.distributed import _group as _dist_group
 from backpack.extensions.backprop_extension import BackpropExtension
 
-__all__ = ["accumulate", "accumulate_over", "Accumulated"]
+__all__ = ["accumulate", "Accumulated"]
 
 
 @dataclass

@@ -446,7 +446,7 @@ def _correct(
         return total, count
     frozen = [params[name] for name in covered]
 
-    def local() -> tuple[list[Tensor], float, int]:
+    def rows_sums(frozen: list[Tensor]) -> tuple[list[Tensor], float, int]:
         sums = [torch.zeros_like(b.values) for b in rest]
         total, count = 0.0, 0
         with _frozen(frozen):
@@ -458,6 +458,16 @@ def _correct(
                 for s, b in zip(sums, rest):
                     s += b.squares(b.gather(rows))
         return sums, total, count
+
+    def local() -> tuple[list[Tensor], float, int]:
+        try:
+            return rows_sums(frozen)
+        except NotImplementedError:
+            if not frozen:
+                raise
+            # the engine can need the swept layers' gradients to map the loss's rows to the
+            # samples (a loss reached through them by more than reshapes): all rows, unfrozen
+            return rows_sums([])
 
     done, error = _dist.guarded(group, local, "EKFAC")
     if group is None:
