@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from backpack.api import backpack, extend
 from backpack.curvature import EKFAC, KFAC
+from backpack.curvature._sweep import Sweep
 from backpack.extensions import (
     BatchGrad,
     DiagGGNExact,
@@ -204,6 +205,7 @@ class _BackpackBackend:
     last_layer: bool
     dict_key_x: str
     kfac_approx: str
+    separate_weight_and_bias: bool
 
     def _setup(self) -> None:
         classification = self.likelihood != "regression"
@@ -297,6 +299,13 @@ class _BackpackBackend:
         """
         if self.subnetwork_indices is not None:
             raise ValueError("backpack.laplace: Kronecker factors of a subnetwork are undefined.")
+        if not self.separate_weight_and_bias:
+            raise ValueError(
+                "backpack.laplace: laplace-torch's Kron holds one block per parameter, so a bias "
+                "cannot be folded into its weight's factors there: use "
+                "separate_weight_and_bias=True with hessian_structure='kron', or "
+                "hessian_structure='ekfac' (which folds them)."
+            )
         M = self._num_samples(X)
         seed = _seed() if fisher_type == "mc" else 0
         with self._only_selected():
@@ -353,7 +362,11 @@ class LaplaceGGN(_BackpackBackend, GGNInterface):
             instead of the exact one.
         num_samples: Sampled labels per sample for `stochastic=True`.
         kfac_approx: "expand" or "reduce", the Kronecker convention for weights shared over
-            positions (sequences, convolutions); see the docs' "Transformers" page.
+            positions (sequences, convolutions; the published definitions, as curvlinops'); see
+            the docs' "Transformers" page.
+        separate_weight_and_bias: False folds each layer's bias into its weight's Kronecker
+            factors (`KFAC`'s option): for `EKFACLaplace` only, laplace-torch's `Kron`
+            (`hessian_structure="kron"`) holds one block per parameter.
     """
 
     def __init__(
@@ -367,6 +380,7 @@ class LaplaceGGN(_BackpackBackend, GGNInterface):
         stochastic: bool = False,
         num_samples: int = 1,
         kfac_approx: str = "expand",
+        separate_weight_and_bias: bool = True,
     ) -> None:
         GGNInterface.__init__(
             self,
@@ -380,6 +394,7 @@ class LaplaceGGN(_BackpackBackend, GGNInterface):
             num_samples=num_samples,
         )
         self.kfac_approx = kfac_approx
+        self.separate_weight_and_bias = separate_weight_and_bias
         self._setup()
 
     def diag(self, x: Any, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
@@ -421,11 +436,13 @@ class LaplaceEF(_BackpackBackend, EFInterface):
         dict_key_x: str = "input_ids",
         dict_key_y: str = "labels",
         kfac_approx: str = "expand",
+        separate_weight_and_bias: bool = True,
     ) -> None:
         EFInterface.__init__(
             self, model, likelihood, last_layer, subnetwork_indices, dict_key_x, dict_key_y
         )
         self.kfac_approx = kfac_approx
+        self.separate_weight_and_bias = separate_weight_and_bias
         self._setup()
 
     def diag(self, x: Any, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
@@ -469,8 +486,11 @@ class EKFACLaplace(ParametricLaplace):
     so its log-determinant, inverse, samples and the GLM predictive's variances are closed forms.
 
     The backend must be `LaplaceGGN` (type-2, or "mc" with `stochastic=True`) or `LaplaceEF`
-    ("empirical"). The prior precision is a scalar or one value per parameter tensor
-    (`prior_structure="layerwise"`); a diagonal prior has no closed form in the eigenbasis.
+    ("empirical"); its `kfac_approx` and `separate_weight_and_bias` (`backend_kwargs`) choose the
+    Kronecker convention and whether a layer's bias is folded into its weight's block. The prior
+    precision is a scalar or one value per parameter tensor (`prior_structure="layerwise"`;
+    with folded biases, equal for a layer's weight and bias); a diagonal prior has no closed
+    form in the eigenbasis.
     """
 
     _key = ("all", "ekfac")
@@ -517,37 +537,63 @@ class EKFACLaplace(ParametricLaplace):
             fisher = "mc" if backend.stochastic else "type-2"
             mc = backend.num_samples
         seed = _seed() if fisher == "mc" else 0
+        sweep = Sweep(
+            backend._flat,
+            backend.lossfunc,
+            data,
+            progress=progress_bar,
+            num_samples=backend._num_samples,
+            what="EKFACLaplace",
+        )
         with backend._only_selected():
-            op = EKFAC(
-                backend._flat,
-                backend.lossfunc,
-                data,
+            op = EKFAC._from_sweep(
+                sweep,
                 fisher_type=fisher,
                 kfac_approx=backend.kfac_approx,
                 mc_samples=mc,
                 seed=seed,
-                progress=progress_bar,
-                num_samples=backend._num_samples,
+                separate_weight_and_bias=backend.separate_weight_and_bias,
             )
-        blocks = {b.name: b for b in op.blocks}
+        names = backend._names()
+        position = {f"model.{name}": i for i, name in enumerate(names)}
+        numels = [p.numel() for p in backend.params]
+        starts = [sum(numels[:i]) for i in range(len(numels))]
         self.H = []
-        for name in backend._names():
-            block = blocks[f"model.{name}"]
+        #: per block: the indices of its parameters (laplace-torch's order), and of its entries
+        self._members: list[list[int]] = []
+        self._index: list[Tensor] = []
+        for block in sorted(op.blocks, key=lambda b: position[b.name]):
             block.values = block.values * backend.factor
+            members = [position[n] for n in block.names]
             self.H.append(block)
+            self._members.append(members)
+            self._index.append(
+                torch.cat([torch.arange(numels[i]) + starts[i] for i in members]).to(self._device)
+            )
         self.loss = sum(backend.factor * backend._loss(X, y) for X, y in data)
         self.n_data = len(train_loader.dataset)
 
     def _deltas(self) -> list[Tensor]:
+        """The prior precision of every block (of its parameters, equal for a folded bias)."""
         prior = self.prior_precision
         if len(prior) == 1:
-            return [prior[0]] * self.n_layers
-        if len(prior) == self.n_layers:
-            return list(prior)
-        raise ValueError(
-            "EKFACLaplace: the prior precision must be a scalar or one value per parameter "
-            "tensor (prior_structure='scalar' or 'layerwise')."
-        )
+            return [prior[0]] * len(self.H)
+        if len(prior) != self.n_layers:
+            raise ValueError(
+                "EKFACLaplace: the prior precision must be a scalar or one value per parameter "
+                "tensor (prior_structure='scalar' or 'layerwise')."
+            )
+        out = []
+        for block, members in zip(self.H, self._members):
+            values = prior[members]
+            if len(members) > 1 and not bool((values == values[0]).all()):
+                raise ValueError(
+                    f"EKFACLaplace: {block.name} and its folded bias have different prior "
+                    "precisions; with separate_weight_and_bias=False a layer's weight and bias "
+                    "need one (the posterior keeps the block's eigenbasis)."
+                )
+            out.append(values[0])
+        return out
 
     @ParametricLaplace.prior_precision.setter
     def prior_precision(self, prior_precision: float | Tensor) -> None:  # noqa: D102
@@ -562,12 +608,8 @@ class EKFACLaplace(ParametricLaplace):
         return [h * b.values + d for b, d in zip(self.H, self._deltas())]
 
     def _split(self, V: Tensor) -> list[Tensor]:
-        """`[K, P]` → per parameter `[K, *shape]`."""
-        pieces, start = [], 0
-        for b in self.H:
-            pieces.append(V[:, start : start + b.numel].reshape(V.shape[0], *b.shape))
-            start += b.numel
-        return pieces
+        """`[K, P]` → per block `[K, numel]` (its parameters' entries, weight first)."""
+        return [V[:, idx.to(V.device)] for idx in self._index]
 
     def _rotated(self, V: Tensor) -> list[Tensor]:
         """`Q_lᵀ v` of each row of `V` `[K, P]`, per parameter `[K, *values.shape]`."""
@@ -576,7 +618,12 @@ class EKFACLaplace(ParametricLaplace):
     @property
     def posterior_precision(self) -> Tensor:
         """The dense `[P, P]` posterior precision (small models only)."""
-        return torch.block_diag(*[b.dense(e) for b, e in zip(self.H, self._eigenvalues())])
+        dense = [b.dense(e) for b, e in zip(self.H, self._eigenvalues())]
+        size = sum(int(idx.numel()) for idx in self._index)
+        out = dense[0].new_zeros(size, size)
+        for idx, d in zip(self._index, dense):
+            out[idx[:, None], idx[None, :]] = d
+        return out
 
     @property
     def log_det_posterior_precision(self) -> Tensor:  # noqa: D102
@@ -610,10 +657,10 @@ class EKFACLaplace(ParametricLaplace):
 
     def sample(self, n_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
         """Draws `θ ~ N(mean, P⁻¹)`, `[n_samples, P]`."""
-        pieces = []
-        for b, e in zip(self.H, self._eigenvalues()):
+        draws = self.mean.new_zeros(n_samples, self.mean.numel())
+        for b, e, idx in zip(self.H, self._eigenvalues(), self._index):
             z = torch.randn(
                 n_samples, *e.shape, device=e.device, dtype=e.dtype, generator=generator
             )
-            pieces.append(b.from_own(b.unrotate(z / e.sqrt())))
-        return self.mean.reshape(1, -1) + torch.cat(pieces, dim=1)
+            draws[:, idx] = b.from_own(b.unrotate(z / e.sqrt()))
+        return self.mean.reshape(1, -1) + draws

@@ -8,11 +8,12 @@ a list of equal batches (the data-set loss is the mean over all examples in both
 
 - GGN, Hessian, empirical Fisher: products with K random columns, ours vs `GGNLinearOperator`,
   `HessianLinearOperator`, `EFLinearOperator`.
-- KFAC (type-2 and Monte-Carlo, "expand") and EK-FAC (type-2): products with the same columns,
-  ours vs `KFACLinearOperator` / `EKFACLinearOperator`, per parameter block. Convolutions: the
-  conventions differ (ours: the original BackPACK's, `A = 1/N Σ_{n,p} a aᵀ`,
-  `G = Σ (Σ_p s)(Σ_p s)ᵀ`; curvlinops: "expand", `A` the mean over examples and positions,
-  `G = Σ_{n,p} s sᵀ`), so those blocks are reported, not expected to agree. Monte-Carlo labels
+- KFAC (type-2, empirical and Monte-Carlo; "expand" and "reduce") and EK-FAC: products with the
+  same columns, ours vs `KFACLinearOperator` / `EKFACLinearOperator`, per parameter block; with
+  `separate_weight_and_bias=False` too (a bias folded into its weight's input factor, in both
+  libraries). Convolutions follow the published definitions in both ("expand": `A` the mean
+  over examples and output positions, `G = Σ_{n,p} s sᵀ`; backpack's per-batch `KFLR`/`KFAC`
+  extensions keep the original BackPACK's scale instead, docs/curvature.md). Monte-Carlo labels
   come from different generators: compared in expectation only (distance to type-2).
 - Top Hessian eigenvalue and trace: ours (`eigvalsh`, Lanczos; `hutchinson_trace`; the exact
   `Hessian.trace()`) vs PyHessian's power iteration and Hutchinson, and the dense eigenvalues.
@@ -136,10 +137,16 @@ def matvec_rows(
         a, b, ratio = paired(o, t, repeats)
         rows.append(f"| {name} | {label} | {rel(a, b):.1e} | — | {ratio:.2f} |")
 
-    def kron(ours_cls, theirs_cls, fisher, ours_fisher, mc=1, approx="expand"):
+    def kron(ours_cls, theirs_cls, fisher, ours_fisher, mc=1, approx="expand", separate=True):
         def o():
             op = ours_cls(
-                model, loss, data, fisher_type=ours_fisher, mc_samples=mc, kfac_approx=approx
+                model,
+                loss,
+                data,
+                fisher_type=ours_fisher,
+                mc_samples=mc,
+                kfac_approx=approx,
+                separate_weight_and_bias=separate,
             )
             return op @ V
 
@@ -153,6 +160,7 @@ def matvec_rows(
                 fisher_type=fisher,
                 mc_samples=mc,
                 kfac_approx=approx,
+                separate_weight_and_bias=separate,
             )
             return op @ V
 
@@ -175,6 +183,12 @@ def matvec_rows(
         ("EKFAC type-2", *kron(EKFAC, E, "type-2", "type-2")),
         ("EKFAC type-2 reduce", *kron(EKFAC, E, "type-2", "type-2", approx="reduce")),
         ("EKFAC empirical", *kron(EKFAC, E, "empirical", "empirical")),
+        ("KFAC type-2, biases folded", *kron(KFAC, K, "type-2", "type-2", separate=False)),
+        ("EKFAC type-2, biases folded", *kron(EKFAC, E, "type-2", "type-2", separate=False)),
+        (
+            "EKFAC empirical, biases folded",
+            *kron(EKFAC, E, "empirical", "empirical", separate=False),
+        ),
     ]
     for label, o, t in kcases:
         if only is not None and label not in only:

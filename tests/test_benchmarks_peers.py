@@ -56,3 +56,20 @@ def test_laplace_backends_tiny_run(capsys):
     for r in diag:
         if "failed" not in r[6]:
             assert float(r[6]) < 1e-5, r
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt"])
+def test_kronfluence_options_fit_the_benchmark_problems(name):
+    """The options the agreement rows use (`KRONFLUENCE`) fit the problems with biases, every
+    strategy, and fold every bias (kronfluence's one block per module); the GPT is restricted
+    to kronfluence's `nn.Linear` layers as in the script."""
+    from backpack.influence import fit
+
+    model, Xt, yt, Xq, yq = IK.build(name, 6, 2, bias=True)
+    IK._tracked(name, model)
+    train, query = IK.batches(Xt, yt, 3), IK.batches(Xq, yq, 2)
+    for strategy in IK.STRATEGIES:
+        influence = fit(model, torch.nn.CrossEntropyLoss(), train, strategy, **IK.KRONFLUENCE)
+        assert torch.isfinite(influence.scores(query, train)).all()
+        if strategy != "identity":
+            assert all(b.bias is not None for b in influence.blocks)

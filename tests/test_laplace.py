@@ -174,7 +174,10 @@ def _blocks(matrix, sizes):
 @pytest.mark.parametrize("structure", ["diag", "kron"])
 @pytest.mark.parametrize("name", PROBLEMS)
 def test_same_posterior_as_laplace_own_backpack_backend(name, structure):
-    """Where laplace-torch's BackPACK backend works, both give the same fit."""
+    """Where laplace-torch's BackPACK backend works, both give the same fit; except for the
+    convolution's Kronecker factors: laplace-torch's backend runs backpack's per-batch `KFLR`
+    (the original BackPACK's convention, `A` summed over the L output positions), ours the
+    published "expand" (`A` averaged over them; `G` per position)."""
     from laplace.curvature import BackPackGGN
 
     model, X, y, likelihood = problem(name, n=13)
@@ -187,24 +190,33 @@ def test_same_posterior_as_laplace_own_backpack_backend(name, structure):
         la.fit(loader(X, y))
         fits.append(la)
     ours, theirs = fits
-    torch.testing.assert_close(ours.log_marginal_likelihood(), theirs.log_marginal_likelihood())
+    conv = name == "cnn" and structure == "kron"
+    if not conv:
+        lml = ours.log_marginal_likelihood()
+        torch.testing.assert_close(lml, theirs.log_marginal_likelihood())
     if structure == "kron":
-        for a, b in zip(ours.H_facs.kfacs, theirs.H_facs.kfacs):
+        for i, (a, b) in enumerate(zip(ours.H_facs.kfacs, theirs.H_facs.kfacs)):
+            if conv and i == 0:  # the convolution's weight: A_ext = L A, L = 4 x 4 positions
+                torch.testing.assert_close(16 * a[1], b[1], rtol=1e-10, atol=1e-12)
+                continue
+            if conv and i == 1:  # its bias: a G of another definition
+                continue
             for fa, fb in zip(a, b):
                 torch.testing.assert_close(fa, fb, rtol=1e-10, atol=1e-12)
     else:
         torch.testing.assert_close(ours.H, theirs.H, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
 @pytest.mark.parametrize("structure", ["diag", "kron"])
 @pytest.mark.parametrize("name", ["mlp", "cnn"])
-def test_same_posterior_as_laplace_curvlinops_backend(name, structure):
-    """curvlinops' KFAC has the "reduce" convention of ours on convolutions (its "expand"
-    differs from the original BackPACK's, which ours keeps); on Linear layers both agree."""
+def test_same_posterior_as_laplace_curvlinops_backend(name, structure, approx):
+    """curvlinops' KFAC has the conventions of ours ("expand" and "reduce" on convolutions
+    too: the published definitions)."""
     from laplace.curvature import CurvlinopsEF, CurvlinopsGGN
 
     model, X, y, likelihood = problem(name, n=13)
-    kwargs = {"kfac_approx": "reduce"} if name == "cnn" else {}
+    kwargs = {"kfac_approx": approx}
     for ours, theirs in ((LaplaceGGN, CurvlinopsGGN), (LaplaceEF, CurvlinopsEF)):
         fits = []
         for backend in (ours, theirs):
@@ -262,9 +274,12 @@ def test_laplace_workflow_against_brute_force(name, structure):
         _check_ekfac(la, model, ggn)
 
 
-def _check_ekfac(la, model, ggn):
-    """Λ* = diag(Qᵀ GGN_l Q) per parameter; the posterior's closed forms = the dense matrix's."""
-    sizes = [p.numel() for p in model.parameters()]
+def _check_ekfac(la, model, ggn, sizes=None):
+    """Λ* = diag(Qᵀ GGN_l Q) per block; the posterior's closed forms = the dense matrix's.
+
+    `sizes`: the blocks' sizes (default: one block per parameter)."""
+    if sizes is None:
+        sizes = [p.numel() for p in model.parameters()]
     dense = []
     for block, ggn_block in zip(la.H, _blocks(ggn, sizes)):
         basis = block.dense(torch.ones_like(block.values))  # Q Qᵀ = I in the parameter's order
@@ -291,6 +306,35 @@ def _check_ekfac(la, model, ggn):
     samples = la.sample(4000) - la.mean
     empirical = samples.T @ samples / 4000
     torch.testing.assert_close(empirical, torch.linalg.inv(P), rtol=0, atol=0.15)
+
+
+@pytest.mark.parametrize("backend", [LaplaceGGN, LaplaceEF])
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_ekfac_with_folded_biases_against_brute_force(name, backend):
+    """`separate_weight_and_bias=False`: one eigenbasis per layer, of `[W | b]`."""
+    model, X, y, likelihood = problem(name, n=13)
+    la = laplace.Laplace(
+        model, likelihood, subset_of_weights="all", hessian_structure="ekfac",
+        backend=backend, backend_kwargs={"separate_weight_and_bias": False},
+    )
+    _workflow(la, loader(X, y), X, likelihood)
+    assert [b.bias is not None for b in la.H] == [True, True]
+    if backend is LaplaceGGN:
+        reference = ref_ggn(model, X, likelihood)
+    else:
+        G = ref_grads(model, X, y, likelihood)
+        reference = G.T @ G
+    sizes = [p.numel() for p in model.parameters()]
+    _check_ekfac(la, model, reference, [sizes[0] + sizes[1], sizes[2] + sizes[3]])
+    with pytest.raises(ValueError, match="different prior precisions"):
+        la.prior_precision = torch.tensor([1.0, 2.0, 1.0, 1.0], dtype=F64)
+        _ = la.log_det_posterior_precision
+    kron = laplace.Laplace(
+        model, likelihood, hessian_structure="kron", backend=backend,
+        backend_kwargs={"separate_weight_and_bias": False},
+    )
+    with pytest.raises(ValueError, match="one block per parameter"):
+        kron.fit(loader(X, y))
 
 
 @pytest.mark.parametrize("structure", ["diag", "full", "kron"])

@@ -80,9 +80,17 @@ def batch_normaliser(
     """
     if normaliser is not None:
         return float(normaliser(output, target))
-    reduction = reduction_of(lossfunc, None)
-    if reduction == "sum":
+    if reduction_of(lossfunc, None) == "sum":
         return 1.0
+    return mean_normaliser(lossfunc, output, target)
+
+
+def mean_normaliser(lossfunc: Any, output: Tensor, target: Any) -> float:
+    """ν_b of a torch loss module with `reduction="mean"` (see `batch_normaliser`).
+
+    Raises:
+        ValueError: For a loss whose normaliser is unknown.
+    """
     if isinstance(lossfunc, (nn.CrossEntropyLoss, nn.NLLLoss)):
         if target.dtype.is_floating_point:  # class probabilities: every position counts
             return float(output.numel() // output.shape[1]) if output.dim() > 1 else 1.0

@@ -26,7 +26,6 @@ averaged over ranks, into `.grad`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -34,14 +33,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from backpack import distributed as _dist
-from backpack.api import backpack, extend
+from backpack.api import backpack
 from backpack.curvature._data import (
-    Normaliser,
-    batch_normaliser,
     digest,
     fingerprint,
-    reduction_of,
-    sweep,
     trainable,
 )
 from backpack.curvature._quantities import BatchScale, Kind, Rows, Summed, VarianceKind
@@ -259,17 +254,12 @@ def _reduce_scatter(group: Any, items: list[tuple[_Shard, Tensor]], what: str) -
 
 
 def sharded_sweep(
-    model: nn.Module,
-    lossfunc: Any,
-    data: Iterable,
-    extensions: list[BackpropExtension],
-    kinds: dict[str, Kind],
-    group: Any,
-    progress: bool = False,
-    normaliser: Normaliser | None = None,
-    num_samples: Callable[[Any], int] | None = None,
+    sweep: Any, extensions: list[BackpropExtension], kinds: dict[str, Kind], group: Any
 ) -> dict[str, Any]:
     """Every rank's shard of the data-set quantities of an FSDP2 model (see the module doc).
+
+    `sweep` is the `Sweep` (`backpack.curvature._sweep`) of the model, loss and this rank's
+    data.
 
     Returns:
         The fields of an `Accumulated` (states and gradient: this rank's shards).
@@ -278,10 +268,9 @@ def sharded_sweep(
         RuntimeError: When the ranks have different numbers of batches, another rank failed,
             or the ranks swept different extensions, reductions or batch shapes.
     """
-    reduction = reduction_of(lossfunc, normaliser)
-    extend(model)
-    if isinstance(lossfunc, nn.Module):
-        extend(lossfunc)
+    reduction = sweep.reduction
+    sweep.extend()
+    model, lossfunc = sweep.model, sweep.lossfunc
     params = shards(model, group)
     names = [s.name for s in params]
     world = dist.get_world_size(group)
@@ -299,7 +288,7 @@ def sharded_sweep(
     def keep_grad(p: Tensor) -> None:
         grads[id(p)] = p.grad.detach().clone()
 
-    batches_iter = iter(sweep(data, progress, "accumulate", num_samples))
+    batches_iter = iter(sweep.batches("accumulate"))
     try:
         for s in params:  # quantities of an earlier sweep or backward
             _clean(s, kinds)
@@ -329,7 +318,7 @@ def sharded_sweep(
                 s.param.grad = None
             with torch.enable_grad():
                 output = model(batch.X)
-                nu = batch_normaliser(lossfunc, output, batch.y, normaliser)
+                nu = sweep.nu(output, batch.y)
                 for s in params:
                     p = s.unsharded
                     if p is not None and id(p) not in hooked:
@@ -342,7 +331,7 @@ def sharded_sweep(
             del output
             error, values = None, {}
             try:
-                values = _take(params, kinds, grads, skip=reduction == "mean" and nu == 0)
+                values = _take(params, kinds, grads, skip=sweep.empty(nu))
             except Exception as err:  # noqa: BLE001 - agreed with the other ranks first
                 error = err
             head = [float(error is not None), nu, float(batch.num_samples), setup]
@@ -353,7 +342,7 @@ def sharded_sweep(
                     "accumulate (FSDP2): the ranks swept different extensions or reductions."
                 )
             batch_nu, batch_count = float(table[:, 1].sum()), int(table[:, 2].sum())
-            scale = nu if reduction == "mean" else 1.0
+            scale = sweep.scale(nu)
             if ref_scale is None and reduction == "mean" and batch_nu != 0:
                 ref_scale = batch_nu
             if ref_count is None:

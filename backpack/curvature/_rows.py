@@ -13,38 +13,23 @@ products over the data set is the curvature at the scale of `reduction="sum"`:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from backpack.api import backpack, extend
-from backpack.curvature._data import (
-    Batch,
-    Normaliser,
-    batch_normaliser,
-    reduction_of,
-    sweep,
-    trainable,
-)
+from backpack.api import backpack
+from backpack.curvature._data import Batch
+from backpack.curvature._sweep import Sweep
 from backpack.extensions import BatchGrad, SqrtGGNExact, SqrtGGNMC
 
 KINDS = ("grad", "type-2", "mc")
 
 
 def row_batches(
-    model: nn.Module,
-    lossfunc: Any,
-    data: Iterable,
-    kind: str = "grad",
-    mc_samples: int = 1,
-    progress: bool = False,
-    desc: str = "rows",
-    normaliser: Normaliser | None = None,
-    num_samples: Callable[[Any], int] | None = None,
+    sweep: Sweep, kind: str = "grad", mc_samples: int = 1, desc: str = "rows"
 ) -> Iterator[tuple[Batch, dict[str, Tensor], float]]:
-    """Yield `(batch, {name: rows [R_b, *shape]}, ν_b)` for every batch of `data`.
+    """Yield `(batch, {name: rows [R_b, *shape]}, ν_b)` for every batch of the `Sweep`.
 
     The rows are at the scale of `reduction="sum"` (see the module docstring). For `"grad"`,
     `R_b` is the batch's number of samples, row n the gradient of sample n's own loss. A batch
@@ -55,22 +40,20 @@ def row_batches(
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}.")
-    extend(model)
-    if isinstance(lossfunc, nn.Module):
-        extend(lossfunc)
-    reduction = reduction_of(lossfunc, normaliser)
-    params = trainable(model)
+    sweep.extend()
+    model, lossfunc = sweep.model, sweep.lossfunc
+    params = sweep.trainable()
     if kind == "grad":
         extension, field = BatchGrad(), "grad_batch"
     elif kind == "type-2":
         extension, field = SqrtGGNExact(), "sqrt_ggn_exact"
     else:
         extension, field = SqrtGGNMC(mc_samples=mc_samples), "sqrt_ggn_mc"
-    for batch in sweep(data, progress, desc, num_samples):
+    for batch in sweep.batches(desc):
         with torch.enable_grad():
             output = model(batch.X)
-            nu = batch_normaliser(lossfunc, output, batch.y, normaliser)
-            if reduction == "mean" and nu == 0:
+            nu = sweep.nu(output, batch.y)
+            if sweep.empty(nu):
                 rows = {name: p.new_zeros(batch.num_samples, *p.shape) for name, p in params}
                 yield batch, rows, nu
                 continue
@@ -78,9 +61,15 @@ def row_batches(
             saved = [p.grad for _, p in params]
             for _, p in params:  # backward would add into the saved tensors in place
                 p.grad = None
-            with backpack(extension, sync=False):
-                loss.backward()
-        scale = nu if reduction == "mean" else 1.0
+            try:
+                with backpack(extension, sync=False):
+                    loss.backward()
+            except BaseException:  # leave the parameters as they were
+                for (_, p), g in zip(params, saved):
+                    p.__dict__.pop(field, None)
+                    p.grad = g
+                raise
+        scale = sweep.scale(nu)
         rows = {}
         for (name, p), g in zip(params, saved):
             value = getattr(p, field, None)

@@ -10,23 +10,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from backpack.api import backpack, disable, extend
-from backpack.curvature._data import (
-    Normaliser,
-    batch_normaliser,
-    fingerprint,
-    needs_reiterable,
-    reduction_of,
-    sweep,
-    trainable,
-)
-from backpack.curvature._distributed import (
-    all_sum,
-    combine,
-    guarded,
-    local_module,
-    process_group,
-)
+from backpack.api import backpack
+from backpack.curvature._data import Normaliser, fingerprint, trainable
+from backpack.curvature._distributed import all_sum, combine, guarded, local_module
 from backpack.curvature._forward import refuse_unfaithful_gradients
 from backpack.curvature._fsdp import check_kinds as check_fsdp_kinds
 from backpack.curvature._fsdp import is_fully_sharded, sharded_sweep
@@ -39,6 +25,7 @@ from backpack.curvature._quantities import (
     isclose,
     kind_of,
 )
+from backpack.curvature._sweep import Sweep
 from backpack.distributed import _group as _dist_group
 from backpack.extensions.backprop_extension import BackpropExtension
 
@@ -251,11 +238,8 @@ def count_normaliser(
     Returns:
         `Σ_b ν_b` (the number of batches for `reduction="sum"`, whose normaliser is 1).
     """
-    total = 0.0
-    with torch.no_grad(), disable():
-        for batch in sweep(data, num_samples=num_samples):
-            total += batch_normaliser(lossfunc, model(batch.X), batch.y, normaliser)
-    return total
+    sweep = Sweep(model, lossfunc, data, normaliser=normaliser, num_samples=num_samples)
+    return sweep.count_normaliser()
 
 
 def accumulate(
@@ -324,76 +308,62 @@ def accumulate(
             swept different models, extensions or batch shapes.
     """
     model = local_module(model)
-    if is_fully_sharded(model):
-        return _sharded(
-            model,
-            lossfunc,
-            data,
-            extensions,
-            progress,
-            callback,
-            normaliser,
-            num_samples,
-            write,
-            distributed,
-        )
-    refuse_unfaithful_gradients(model, "accumulate")
-    group = process_group(distributed, "accumulate")
+    if not is_fully_sharded(model):
+        refuse_unfaithful_gradients(model, "accumulate")
+    sweep = Sweep(
+        model,
+        lossfunc,
+        data,
+        progress=progress,
+        normaliser=normaliser,
+        num_samples=num_samples,
+        distributed=distributed,
+    )
+    return accumulate_over(sweep, extensions, callback=callback, total=total, write=write)
+
+
+def accumulate_over(
+    sweep: Sweep,
+    extensions: BackpropExtension | Sequence[BackpropExtension],
+    callback: Callback | None = None,
+    total: float | None = None,
+    write: bool = False,
+) -> Accumulated:
+    """`accumulate` over a prepared `Sweep` (the data-set layer's own entry; see `accumulate`).
+
+    `write` defaults to False: the layer's tools read the result, not the parameters.
+    """
+    if sweep.sharded:
+        return _sharded(sweep, extensions, callback, write)
+    refuse_unfaithful_gradients(sweep.model, sweep.what)
+    group = sweep.group
     stream_total = None
     if callback is not None:
-        if reduction_of(lossfunc, normaliser) == "sum":
+        if sweep.reduction == "sum":
             stream_total = 1.0
         elif total is not None:
             stream_total = float(total)
         else:
-            needs_reiterable(data, "accumulate(callback=...) without total=")
-            counted, error = guarded(
-                group,
-                lambda: count_normaliser(model, lossfunc, data, normaliser, num_samples),
-                "accumulate",
-            )
+            sweep.needs_reiterable("accumulate(callback=...) without total=")
+            counted, error = guarded(group, sweep.count_normaliser, "accumulate")
             if group is None:
                 stream_total = counted
             else:  # the whole data set's
                 (stream_total,) = all_sum(group, [], [counted or 0.0], error, "count ν")
     result, error = guarded(
-        group,
-        lambda: _local_sweep(
-            model,
-            lossfunc,
-            data,
-            extensions,
-            progress,
-            callback,
-            stream_total,
-            normaliser,
-            num_samples,
-        ),
-        "accumulate",
+        group, lambda: _local_sweep(sweep, extensions, callback, stream_total), "accumulate"
     )
     if group is not None:
         result = combine(result, error, group)
     _check_streamed(result.stream_total, result.reduction, result.total)
     if write:
-        result.write(model)
+        result.write(sweep.model)
     return result
 
 
-def _sharded(
-    model,
-    lossfunc,
-    data,
-    extensions,
-    progress,
-    callback,
-    normaliser,
-    num_samples,
-    write,
-    distributed,
-) -> Accumulated:
+def _sharded(sweep: Sweep, extensions, callback, write) -> Accumulated:
     """`accumulate` of a model sharded with FSDP2: every rank gets its shard of the result."""
-    process_group(distributed, "accumulate")  # checks the argument
-    if distributed is False or not (dist.is_available() and dist.is_initialized()):
+    if sweep.distributed is False or not (dist.is_available() and dist.is_initialized()):
         raise ValueError(
             "accumulate(..., distributed=False) cannot sweep a model sharded with FSDP2 "
             "(fully_shard): its forward and backward are collectives over every rank, so the "
@@ -402,12 +372,10 @@ def _sharded(
     kinds = _extensions(extensions)
     check_fsdp_kinds(kinds, callback)
     exts = [extensions] if isinstance(extensions, BackpropExtension) else list(extensions)
-    fields = sharded_sweep(
-        model, lossfunc, data, exts, kinds, _dist_group(), progress, normaliser, num_samples
-    )
+    fields = sharded_sweep(sweep, exts, kinds, _dist_group())
     result = Accumulated(**fields)
     if write:
-        result.write(model)
+        result.write(sweep.model)
     return result
 
 
@@ -420,22 +388,18 @@ def _check_streamed(stream_total: float | None, reduction: str, nu_total: float)
         )
 
 
-def _local_sweep(
-    model, lossfunc, data, extensions, progress, callback, stream_total, normaliser, num_samples
-) -> Accumulated:
-    """This process's sweep over `data` (its shard under torch.distributed), not written."""
+def _local_sweep(sweep: Sweep, extensions, callback, stream_total) -> Accumulated:
+    """This process's sweep over its data (its shard under torch.distributed), not written."""
     kinds = _extensions(extensions)
     exts = [extensions] if isinstance(extensions, BackpropExtension) else list(extensions)
-    reduction = reduction_of(lossfunc, normaliser)
+    reduction = sweep.reduction
     if callback is not None:
         for kind in kinds.values():
             if isinstance(kind, Rows):
                 kind.callback = callback
-    if isinstance(model, nn.Module):
-        extend(model)
-    if isinstance(lossfunc, nn.Module):
-        extend(lossfunc)
-    params = trainable(model)
+    sweep.extend()
+    model = sweep.model
+    params = sweep.trainable()
     if not params:
         raise ValueError("The model has no trainable parameter.")
     names = [name for name, _ in params]
@@ -446,13 +410,13 @@ def _local_sweep(
     grads: dict[str, Any] = dict.fromkeys(names)
     nu_total, samples, batches, signature = 0.0, 0, 0, None
     ref_scale, ref_count = None, None
-    for batch in sweep(data, progress, "accumulate", num_samples):
+    for batch in sweep.batches("accumulate"):
         for _, p in params:
             p.grad = None
         with torch.enable_grad():
             output = model(batch.X)
-            nu = batch_normaliser(lossfunc, output, batch.y, normaliser)
-            scale = nu if reduction == "mean" else 1.0
+            nu = sweep.nu(output, batch.y)
+            scale = sweep.scale(nu)
             if ref_scale is None and scale != 0:
                 ref_scale = scale
             if ref_count is None:
@@ -464,12 +428,12 @@ def _local_sweep(
                 count_scale=batch.num_samples / ref_count,
                 stream_total=None if stream_total is None else stream_total / (ref_scale or 1.0),
             )
-            if reduction == "mean" and nu == 0:
+            if sweep.empty(nu):
                 for name, p in params:
                     for f, kind in kinds.items():
                         states[f][name] = kind.skip(states[f][name], info, name, p)
             else:
-                loss = lossfunc(output, batch.y)
+                loss = sweep.lossfunc(output, batch.y)
                 with backpack(*exts, sync=False):
                     loss.backward()
                 _collect(params, kinds, states, grads, grad_kind, info)

@@ -10,11 +10,9 @@ factor `B` (biases, parameters without a Kronecker rule) use `B`'s eigenbasis th
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from functools import partial
 from typing import Any
 
 import torch
@@ -23,16 +21,22 @@ from torch import Tensor, nn
 from backpack.api import disable
 from backpack.core.derivatives import convnd
 from backpack.curvature import _distributed as _dist
-from backpack.curvature._conv_eigen import Bases, eigenbasis_rules, is_target_class
-from backpack.curvature._data import Normaliser, needs_reiterable, reduction_of, trainable
-from backpack.curvature._distributed import local_module, rank_of
+from backpack.curvature._blocks import (
+    BlockLayout,
+    assemble_dense,
+    assemble_diagonal,
+    blockwise,
+)
+from backpack.curvature._data import Normaliser, first_tensor, needs_reiterable, trainable
+from backpack.curvature._distributed import check_not_fully_sharded, local_module, rank_of
+from backpack.curvature._eigen import EigenState, eigen_rules, is_target
 from backpack.curvature._forward import refuse_unfaithful_gradients
 from backpack.curvature._rows import row_batches
-from backpack.curvature.accumulate import accumulate
+from backpack.curvature._sweep import Sweep
+from backpack.curvature.accumulate import accumulate_over
 from backpack.curvature.kfac import KFAC
 from backpack.curvature.operators import CurvatureOperator
 from backpack.extensions import DiagGGNExact, DiagGGNMC, SumGradSquared
-from backpack.recording import is_parametrized
 
 __all__ = ["EKFAC", "EKFACInverse", "EigenBlock"]
 
@@ -40,45 +44,39 @@ __all__ = ["EKFAC", "EKFACInverse", "EigenBlock"]
 _ROWS = {"type-2": "type-2", "mc": "mc", "empirical": "grad"}
 
 
-class EigenBlock:
-    """One parameter's block `Q diag(values) Qᵀ` with `Q = Q_0 ⊗ Q_1`, `Q_0`, or the identity.
+class EigenBlock(BlockLayout):
+    """One block `Q diag(values) Qᵀ` with `Q = Q_0 ⊗ Q_1`, `Q_0`, or the identity.
 
     Args:
-        name: The parameter's name.
+        name: The (weight's) parameter name.
         shape: The parameter's shape.
         vectors: `[Q_0, Q_1]` (Kronecker eigenbasis), `[Q_0]` (dense eigenbasis) or `[]`
             (identity: a diagonal block).
         values: The eigenvalues, of shape `(size_0, size_1)`, `(size_0,)` or `(numel,)`.
         transposed: Whether the coordinates are those of `parameter.transpose(0, 1)` (the
             Kronecker factors of embeddings and transposed convolutions).
+        bias: The name of a bias folded into the block as the last input column (see
+            `BlockLayout`), or None.
+
+    Vectors go in and out as `[K, numel]` (the block's parameters flattened and concatenated,
+    see `BlockLayout.gather`), or `[K, *shape]` for a one-parameter block.
     """
 
     def __init__(
-        self, name: str, shape: tuple, vectors: list[Tensor], values: Tensor, transposed: bool
+        self,
+        name: str,
+        shape: tuple,
+        vectors: list[Tensor],
+        values: Tensor,
+        transposed: bool,
+        bias: str | None = None,
     ) -> None:
-        self.name = name
-        self.shape = tuple(shape)
+        super().__init__(name, shape, transposed, bias)
         self.vectors = list(vectors)
         self.values = values
-        self.transposed = transposed
 
-    @property
-    def numel(self) -> int:
-        """The parameter's number of entries."""
-        return math.prod(self.shape)
-
-    def to_own(self, v: Tensor) -> Tensor:
-        """`[K, *shape]` → `[K, *values.shape]` in the block's coordinates."""
-        if self.transposed:
-            v = v.transpose(1, 2)
-        return v.reshape(v.shape[0], *self.values.shape)
-
-    def from_own(self, w: Tensor) -> Tensor:
-        """Inverse of `to_own`, flattened: `[K, numel]` in the parameter's row-major order."""
-        if self.transposed:
-            swapped = (self.shape[1], self.shape[0], *self.shape[2:])
-            return w.reshape(w.shape[0], *swapped).transpose(1, 2).reshape(w.shape[0], -1)
-        return w.reshape(w.shape[0], -1)
+    def own_shape(self) -> tuple[int, ...]:  # noqa: D102
+        return tuple(self.values.shape)
 
     def rotate(self, w: Tensor) -> Tensor:
         """`Qᵀ w` for `w` `[K, *values.shape]` in the block's coordinates."""
@@ -97,54 +95,37 @@ class EigenBlock:
         return w
 
     def apply(self, v: Tensor, scale: Tensor) -> Tensor:
-        """`Q diag(scale) Qᵀ v` for `v` `[K, *shape]`, `[K, numel]` out."""
+        """`Q diag(scale) Qᵀ v` for `v` `[K, numel]` (or `[K, *shape]`), `[K, numel]` out."""
         return self.from_own(self.unrotate(self.rotate(self.to_own(v)) * scale))
 
     def squares(self, rows: Tensor) -> Tensor:
-        """`Σ_r (Qᵀ u_r)²` over rows `[R, *shape]`, of shape `values.shape`."""
+        """`Σ_r (Qᵀ u_r)²` over rows `[R, numel]`, of shape `values.shape`."""
         return self.rotate(self.to_own(rows)).square().sum(0)
 
     def quadratic(self, rows: Tensor, scale: Tensor) -> Tensor:
-        """`u_rᵀ Q diag(scale) Qᵀ u_r` for every row `[R, *shape]`: `[R]`."""
+        """`u_rᵀ Q diag(scale) Qᵀ u_r` for every row `[R, numel]`: `[R]`."""
         rotated = self.rotate(self.to_own(rows)).square() * scale
         return rotated.reshape(rows.shape[0], -1).sum(1)
 
-    def permutation(self) -> Tensor | None:
-        """Index `idx` with `param.flatten()[idx]` = the block's flattening (None: identity)."""
-        if not self.transposed:
-            return None
-        return torch.arange(self.numel).reshape(self.shape).transpose(0, 1).flatten()
-
     def dense(self, scale: Tensor) -> Tensor:
-        """`Q diag(scale) Qᵀ` as a `[numel, numel]` matrix in the parameter's flattening."""
+        """`Q diag(scale) Qᵀ` as a `[numel, numel]` matrix in the parameters' flattening."""
         if len(self.vectors) == 2:
             q = torch.kron(self.vectors[0], self.vectors[1])
         elif len(self.vectors) == 1:
             q = self.vectors[0]
         else:
             q = torch.eye(self.numel, dtype=scale.dtype, device=scale.device)
-        out = (q * scale.flatten()) @ q.T
-        idx = self.permutation()
-        if idx is None:
-            return out
-        placed = torch.empty_like(out)
-        placed[idx[:, None], idx[None, :]] = out
-        return placed
+        return self.place_dense((q * scale.flatten()) @ q.T)
 
     def diagonal(self, scale: Tensor) -> Tensor:
-        """The diagonal of `Q diag(scale) Qᵀ`, `[numel]` in the parameter's flattening."""
+        """The diagonal of `Q diag(scale) Qᵀ`, `[numel]` in the parameters' flattening."""
         if len(self.vectors) == 2:
             d = (self.vectors[0].square() @ scale @ self.vectors[1].square().T).flatten()
         elif len(self.vectors) == 1:
             d = self.vectors[0].square() @ scale
         else:
             d = scale.flatten()
-        idx = self.permutation()
-        if idx is None:
-            return d
-        out = torch.empty_like(d)
-        out[idx] = d
-        return out
+        return self.place_diagonal(d)
 
     def state(self) -> dict[str, Any]:
         """The block as plain tensors and numbers (for `torch.save`)."""
@@ -154,6 +135,7 @@ class EigenBlock:
             "vectors": list(self.vectors),
             "values": self.values,
             "transposed": self.transposed,
+            "bias": self.bias,
         }
 
     @classmethod
@@ -165,6 +147,7 @@ class EigenBlock:
             list(state["vectors"]),
             state["values"],
             bool(state["transposed"]),
+            state.get("bias"),
         )
 
 
@@ -173,9 +156,8 @@ def kfac_eigenblocks(kfac: KFAC) -> list[EigenBlock]:
     blocks = []
     for b in kfac.blocks:
         eig = b.eig()
-        blocks.append(
-            EigenBlock(b.name, b.shape, [q for _, q in eig], b.eigenvalues(), b.transposed)
-        )
+        vectors = [q for _, q in eig]
+        blocks.append(EigenBlock(b.name, b.shape, vectors, b.eigenvalues(), b.transposed, b.bias))
     return blocks
 
 
@@ -201,27 +183,12 @@ def _owned(model: nn.Module, blocks: list[EigenBlock]) -> Iterator[tuple[EigenBl
         yield block, modules.get(owner), attr
 
 
-def _rotatable(
-    model: nn.Module, blocks: list[EigenBlock]
-) -> dict[str, tuple[nn.Linear, EigenBlock]]:
-    """Blocks of `nn.Linear` weights (called as modules, not tied) in a Kronecker eigenbasis."""
-    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    return {
-        block.name: (module, block)
-        for block, module, attr in _owned(model, blocks)
-        if attr == "weight"
-        and type(module) is nn.Linear
-        and len(block.vectors) == 2
-        and not block.transposed
-        and uses[id(module.weight)] == 1
-        # 16-bit weights have float32 factors: the rotated layer would mix dtypes (rows instead)
-        and block.vectors[0].dtype == module.weight.dtype
-    }
+def _exact_bias_blocks(model: nn.Module, blocks: list[EigenBlock], approx: str) -> set[str]:
+    """Names of the dense-factor blocks of `nn.Linear` (and under "reduce" convolution) biases.
 
-
-def _exact_bias_blocks(model: nn.Module, blocks: list[EigenBlock]) -> set[str]:
-    """Names of the dense-factor blocks of `nn.Linear` and convolution biases."""
-    layers = (nn.Linear, nn.modules.conv._ConvNd)
+    Under "expand" a convolution's output positions act as samples in its `G`.
+    """
+    layers = (nn.Linear, nn.modules.conv._ConvNd) if approx == "reduce" else (nn.Linear,)
     return {
         block.name
         for block, module, attr in _owned(model, blocks)
@@ -257,65 +224,30 @@ def _inexact_linear_biases(model: nn.Module, names: set[str], first: Any) -> set
     return {name for m, name in owners.items() if not flat.get(m, False)}
 
 
-def _rotate_input(q_in: Tensor, module: nn.Module, args: tuple) -> tuple:
-    return (args[0] @ q_in, *args[1:])
-
-
-def _rotate_output(q_out: Tensor, module: nn.Module, args: tuple, output: Tensor) -> Tensor:
-    if module.bias is None:
-        return output @ q_out.T
-    return (output - module.bias) @ q_out.T + module.bias
-
-
-@contextmanager
-def _rotated(targets: Mapping[str, tuple[nn.Linear, EigenBlock]], frozen: list[Tensor]):
-    """The targets' weights in their Kronecker eigenbases; `frozen` parameters excluded.
-
-    Each target `y = W x + b` is computed as `y = Q_G W̃ Q_Aᵀ x + b` with the parameter
-    `W̃ = Q_Gᵀ W Q_A`: the same function in rotated coordinates.
-    """
-    originals, handles = [], []
-    try:
-        for p in frozen:
-            p.requires_grad_(False)
-        for module, block in targets.values():
-            q_out, q_in = block.vectors
-            weight = module.weight
-            originals.append((module, weight))
-            module.weight = nn.Parameter(q_out.T @ weight.detach() @ q_in)
-            handles.append(module.register_forward_pre_hook(partial(_rotate_input, q_in)))
-            handles.append(module.register_forward_hook(partial(_rotate_output, q_out)))
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-        for module, weight in originals:
-            module.weight = weight
-        for p in frozen:
-            p.requires_grad_(True)
-
-
-def _conv_targets(
+def _eigen_targets(
     model: nn.Module, blocks: list[EigenBlock], exact: set[str]
 ) -> dict[nn.Module, tuple[EigenBlock, EigenBlock | None]]:
-    """Convolution weights (torch's classes, not tied) in a Kronecker eigenbasis, by module.
+    """Layers whose blocks take their corrected eigenvalues as diagonals in their eigenbases.
 
-    Each with its module's bias block where that has a dense factor and is not `exact` (its
-    corrected eigenvalues then come from the same sweep), else None.
+    `nn.Linear` layers and torch's convolutions (their own rule, not tied, not parametrized)
+    whose weight block is in a Kronecker eigenbasis of the layer's orientation, by module; each
+    with its bias's own block where that has a dense factor and is not `exact` (its corrected
+    eigenvalues then come from the same sweep), else None. A folded bias is in the weight's
+    block.
     """
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     by_name = {b.name: b for b in blocks}
     found = {}
     for block, module, attr in _owned(model, blocks):
+        if attr != "weight" or module is None or not is_target(module):
+            continue
+        transposed = isinstance(module, nn.modules.conv._ConvNd) and convnd.is_transposed(module)
         if (
-            attr != "weight"
-            or module is None
-            or not is_target_class(module)
-            or is_parametrized(module)
-            or len(block.vectors) != 2
-            or block.transposed != convnd.is_transposed(module)
+            len(block.vectors) != 2
+            or block.transposed != transposed
             or uses[id(module.weight)] != 1
             or block.vectors[0].dtype != module.weight.dtype
+            or (block.bias is not None and uses[id(module.bias)] != 1)
         ):
             continue
         bias = by_name.get(block.name[: -len("weight")] + "bias")
@@ -330,103 +262,159 @@ def _conv_targets(
     return found
 
 
-def _first_batch(
-    model: nn.Module, targets: Mapping[str, tuple[nn.Linear, EigenBlock]], convs: list, X: Any
-) -> tuple[bool, list[bool], int]:
-    """Checks on the first batch: the rotated model's output, each convolution's calls.
+def _swept_params(module: nn.Module, pair: tuple[EigenBlock, EigenBlock | None]) -> list[str]:
+    """The attribute names of the module's parameters the sweep takes (weight, bias)."""
+    weight, bias = pair
+    return ["weight", "bias"] if weight.bias is not None or bias is not None else ["weight"]
 
-    Returns whether the rotated model computes the same output (no Linear weight used outside
-    its call), whether each of `convs` is called exactly once per forward, and the number of
-    output entries per sample (what the exact loss-Hessian factor has columns).
+
+@contextmanager
+def _outside_calls(targets: Mapping[nn.Module, list[str]]):
+    """The targets' parameters hold other values outside the targets' own calls.
+
+    Inside a call the module holds its parameters; outside, each is replaced by a shifted copy.
+    A forward that gives the same output used them only inside the calls.
+    """
+    originals = {m: {n: m._parameters[n] for n in names} for m, names in targets.items()}
+    shifted = {
+        m: {n: nn.Parameter(p.detach() + p.detach().abs().max() + 1, False) for n, p in ps.items()}
+        for m, ps in originals.items()
+    }
+    handles = []
+
+    def swap(values):
+        def hook(module, *args):
+            for n, p in values[module].items():
+                module._parameters[n] = p
+
+        return hook
+
+    try:
+        for m in targets:
+            handles.append(m.register_forward_pre_hook(swap(originals)))
+            handles.append(m.register_forward_hook(swap(shifted)))
+            for n, p in shifted[m].items():
+                m._parameters[n] = p
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for m, ps in originals.items():
+            for n, p in ps.items():
+                m._parameters[n] = p
+
+
+def _first_batch(
+    model: nn.Module, targets: Mapping[nn.Module, list[str]], X: Any
+) -> tuple[list[bool], list[bool], int]:
+    """Checks on the first batch's inputs `X`, per target: used only in its own call, called once.
+
+    Returns whether each target's parameters enter the output only through its own call (the
+    output does not change when they are shifted outside it), whether each is called exactly
+    once per forward, and the number of output entries per sample (what the exact loss-Hessian
+    factor has columns).
     """
     buffers = [(b, b.clone()) for b in model.buffers()]
     calls: Counter = Counter()
-    handles = [m.register_forward_hook(lambda m, *_: calls.update([id(m)])) for m in convs]
+    handles = [m.register_forward_hook(lambda m, *_: calls.update([id(m)])) for m in targets]
+
+    def same(outside: Mapping[nn.Module, list[str]], plain: Any) -> bool:
+        with _outside_calls(outside):
+            other = first_tensor(model(X))
+        if not isinstance(plain, Tensor) or not isinstance(other, Tensor):
+            return False
+        scale = plain.abs().max().clamp_min(1.0)
+        return bool(((plain - other).abs().max() <= 1e-3 * scale).item())
+
     try:
-        with torch.no_grad():
-            plain = model(X)
+        with torch.no_grad(), disable():
+            out = model(X)
             for handle in handles:
                 handle.remove()
-            if targets:
-                with _rotated(targets, []):
-                    rotated = model(X)
+            plain = first_tensor(out)
+            if same(targets, plain):
+                faithful = [True] * len(targets)
+            else:  # find the ones used elsewhere
+                faithful = [same({m: names}, plain) for m, names in targets.items()]
             for buffer, saved in buffers:  # running statistics are not this check's to update
                 buffer.copy_(saved)
     finally:
         for handle in handles:
             handle.remove()
-    once = [calls[id(m)] == 1 for m in convs]
+    once = [calls[id(m)] == 1 for m in targets]
     width = plain[0].numel() if isinstance(plain, Tensor) and plain.dim() > 0 else 1
-    if not targets:
-        return True, once, width
-    if not isinstance(plain, Tensor) or not isinstance(rotated, Tensor):
-        return False, once, width
-    scale = plain.abs().max().clamp_min(1.0)
-    return bool(((plain - rotated).abs().max() <= 1e-3 * scale).item()), once, width
+    return faithful, once, width
+
+
+@contextmanager
+def _frozen(params: list[Tensor]):
+    """`params` without gradients (none of their quantities computed) inside the block."""
+    try:
+        for p in params:
+            p.requires_grad_(False)
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
 
 
 def _correct(
-    model,
-    lossfunc,
-    data,
-    blocks,
-    fisher_type,
-    mc_samples,
-    progress,
-    normaliser,
-    num_samples,
-    group=None,
-    distributed=None,
+    sweep: Sweep, blocks: list[EigenBlock], fisher_type: str, mc_samples: int, kfac_approx: str
 ) -> tuple[float, int]:
     """Set every block's corrected eigenvalues `R Σ_r (q_kᵀ u_r)²`; return `(ν, N)`.
 
-    Under torch.distributed (`group`), `data` is this rank's shard and the sums are global.
+    Under torch.distributed (the sweep's group), the data is this rank's shard and the sums
+    are global.
 
-    `nn.Linear` weights: the diagonal of the curvature w.r.t. the rotated weight `W̃` (see
-    `_rotated`) is exactly `qᵀ F q` in the Kronecker eigenbasis, and backpack's diagonals of
-    a Linear layer never form per-sample gradients (one `[C·N, out] x [C·N, in]` product per
-    batch instead of rotating `C·N` rows of `out x in`). Convolutions (weights and dense-factor
-    biases) take the same diagonals in the same sweep, computed in their eigenbases by
-    `_conv_eigen` (per-sample gradients formed from rotated factors, never rows). Other blocks
-    rotate their rows.
+    One mechanism for `nn.Linear` layers and convolutions (`_eigen`): in one sweep of
+    backpack's diagonal extension of the curvature (`DiagGGNExact`, `DiagGGNMC`,
+    `SumGradSquared`), each target layer's rule is lent one that returns the diagonal in the
+    layer's eigenbases (folded biases and the bias's own block included), computed from rotated
+    factors and inputs, never from rows. Other blocks (tied weights, layers called several times
+    or whose parameters are used outside their call, the remaining dense blocks) project their
+    rows.
     """
-    # for the GGN, the dense factor of a convolution bias, or of a Linear bias without
-    # positions, is the exact block B
+    model, group = sweep.model, sweep.group
+    # for the GGN, the dense factor of a convolution bias under "reduce", or of a Linear bias
+    # without positions, is the exact block B
     # (Σ over samples and outputs of (Σ_positions s)(Σ_positions s)ᵀ), so qᵀ B q is B's
     # eigenvalue, the value the block already has. Not so for sampled draws ("mc": the
     # correction takes fresh ones), the empirical factors of token losses, or the dense
     # factors of other layers (attention's, e.g., approximate their block).
-    exact = _exact_bias_blocks(model, blocks) if fisher_type == "type-2" else set()
+    exact = _exact_bias_blocks(model, blocks, kfac_approx) if fisher_type == "type-2" else set()
     if exact:
-        exact -= _inexact_linear_biases(model, exact, next(iter(data))[0])
-    targets = _rotatable(model, blocks)
-    convs = _conv_targets(model, blocks, exact)
+        exact -= _inexact_linear_biases(model, exact, sweep.first_inputs())
+    targets = _eigen_targets(model, blocks, exact)
     columns = {"type-2": 1, "mc": mc_samples, "empirical": 1}[fisher_type]
-    if targets or convs:
-        first = next(iter(data))[0]
-        faithful, once, width = _first_batch(model, targets, list(convs), first)
+    if targets:
+        swept_params = {m: _swept_params(m, pair) for m, pair in targets.items()}
+        faithful, once, width = _first_batch(model, swept_params, sweep.first_inputs())
         if fisher_type == "type-2":
             columns = width
+        ok = [a and b for a, b in zip(faithful, once)]
         if group is not None:  # the same path on every rank
-            agreed = _dist.all_sum(group, [], [float(faithful), *map(float, once)], None, "EKFAC")
-            faithful = agreed[0] == _dist.world_size(group)
-            once = [a == _dist.world_size(group) for a in agreed[1:]]
-        if not faithful:
-            targets = {}
-        convs = {m: pair for (m, pair), ok in zip(convs.items(), once) if ok}
-    bases = {
-        module: Bases(*weight.vectors, bias.vectors[0] if bias is not None else None, columns)
-        for module, (weight, bias) in convs.items()
+            agreed = _dist.all_sum(group, [], [float(x) for x in ok], None, "EKFAC")
+            ok = [a == _dist.world_size(group) for a in agreed]
+        targets = {m: pair for (m, pair), keep in zip(targets.items(), ok) if keep}
+    states = {
+        module: EigenState(
+            *weight.vectors,
+            bias.vectors[0] if bias is not None else None,
+            columns,
+            fold=weight.bias is not None,
+        )
+        for module, (weight, bias) in targets.items()
     }
-    swept = {name: block for name, (_, block) in targets.items()}
-    for weight, bias in convs.values():
+    swept: dict[str, EigenBlock] = {}
+    for weight, bias in targets.values():
         swept[weight.name] = weight
         if bias is not None:
             swept[bias.name] = bias
     params = dict(trainable(model))
+    covered = {name for b in swept.values() for name in b.names}
     total, count = 0.0, 0
     if swept:
-        others = [p for name, p in params.items() if name not in swept]
+        others = [p for name, p in params.items() if name not in covered]
         if fisher_type == "type-2":
             extension: Any = DiagGGNExact()
         elif fisher_type == "mc":
@@ -434,59 +422,52 @@ def _correct(
         else:
             extension = SumGradSquared()
         try:
-            with _rotated(targets, others), eigenbasis_rules(bases):
-                result = accumulate(
-                    model,
-                    lossfunc,
-                    data,
-                    extension,
-                    progress=progress,
-                    normaliser=normaliser,
-                    num_samples=num_samples,
-                    write=False,
-                    distributed=distributed,
-                )
+            with _frozen(others), eigen_rules(states):
+                result = accumulate_over(sweep, extension)
         except NotImplementedError:
-            # the rotation puts computation between a layer and the loss that backpack needs
-            # to see as a reshape (token losses on flattened logits): rotate rows instead
-            swept = {}
+            # a layer the engine needs per-sample quantities of (called on several sets of
+            # samples, or its parameter shared): rotate rows instead
+            swept, covered = {}, set()
     rest = [b for b in blocks if b.name not in swept and b.name not in exact]
     if swept:
         diagonal = result.quantity(extension.savefield)
         # SumGradSquared holds Σ_n (∇ℓ_n / ν)²: one factor ν back to R Σ_n (qᵀ∇ℓ_n)²
         scale = result.normaliser if fisher_type == "empirical" else 1.0
         for name, block in swept.items():
-            block.values = diagonal[name].reshape(block.values.shape) * scale
+            values = diagonal[name]
+            if block.bias is not None:  # the folded bias: the last input column
+                values = torch.cat(
+                    [values.reshape(block.rows, -1), diagonal[block.bias].reshape(block.rows, 1)],
+                    dim=1,
+                )
+            block.values = values.reshape(block.values.shape) * scale
         total, count = result.total, result.num_samples
     if not rest:
         return total, count
-    frozen = [params[name] for name in swept]
+    frozen = [params[name] for name in covered]
 
-    def local() -> tuple[list[Tensor], float, int]:
+    def rows_sums(frozen: list[Tensor]) -> tuple[list[Tensor], float, int]:
         sums = [torch.zeros_like(b.values) for b in rest]
         total, count = 0.0, 0
-        try:
-            for p in frozen:
-                p.requires_grad_(False)
+        with _frozen(frozen):
             for batch, rows, nu in row_batches(
-                model,
-                lossfunc,
-                data,
-                _ROWS[fisher_type],
-                mc_samples,
-                progress,
-                "EKFAC eigenvalues",
-                normaliser,
-                num_samples,
+                sweep, _ROWS[fisher_type], mc_samples, "EKFAC eigenvalues"
             ):
                 total += nu
                 count += batch.num_samples
                 for s, b in zip(sums, rest):
-                    s += b.squares(rows[b.name])
-        finally:
-            for p in frozen:
-                p.requires_grad_(True)
+                    s += b.squares(b.gather(rows))
         return sums, total, count
+
+    def local() -> tuple[list[Tensor], float, int]:
+        try:
+            return rows_sums(frozen)
+        except NotImplementedError:
+            if not frozen:
+                raise
+            # the engine can need the swept layers' gradients to map the loss's rows to the
+            # samples (a loss reached through them by more than reshapes): all rows, unfrozen
+            return rows_sums([])
 
     done, error = _dist.guarded(group, local, "EKFAC")
     if group is None:
@@ -498,7 +479,7 @@ def _correct(
             group, sums, [total, float(count)], error, "sum EKFAC's corrected eigenvalues"
         )
         count = int(count)
-    normaliser_total = total if reduction_of(lossfunc, normaliser) == "mean" else 1.0
+    normaliser_total = sweep.total(total)
     for s, b in zip(sums, rest):
         b.values = s / normaliser_total
     return total, count
@@ -528,14 +509,17 @@ class EKFAC(CurvatureOperator):
         distributed: `data` is this rank's shard (see `accumulate`): None (default) when
             torch.distributed runs with more than one process, True, or False. Both sweeps are
             then collectives and every rank gets the whole data set's operator.
+        separate_weight_and_bias: As for `KFAC`: False folds a layer's bias into its weight's
+            block (one eigenbasis `Q_G ⊗ Q_Ã` of `[W | b]`, its corrected eigenvalues from the
+            gradients of `[W | b]`).
 
     Its scale is the data-set loss's, like `KFAC`'s: the corrected eigenvalues are
     `R Σ_r (q_kᵀ u_r)²` with `R` the reduction factor (`1/ν` or 1). Cost: one sweep for the
     Kronecker factors (as `KFAC`), their eigendecompositions, and one sweep for the corrected
-    eigenvalues (per batch: a diagonal of the rotated `nn.Linear` weights and of convolution
-    weights in their eigenbases, and for other blocks the rows and two small
-    matrix products per block). Everything else
-    is closed-form in the eigenbases and the corrected eigenvalues.
+    eigenvalues (per batch: one diagonal extension's backward in which every `nn.Linear` and
+    convolution block, folded biases included, takes its diagonal in its eigenbasis from rotated
+    factors; for other blocks the rows and two small matrix products per block). Everything
+    else is closed-form in the eigenbases and the corrected eigenvalues.
     """
 
     def __init__(
@@ -551,27 +535,65 @@ class EKFAC(CurvatureOperator):
         normaliser: Normaliser | None = None,
         num_samples: Callable[[Any], int] | None = None,
         distributed: bool | None = None,
+        separate_weight_and_bias: bool = True,
     ) -> None:
+        model = local_module(model)
         needs_reiterable(data, "EKFAC")
-        refuse_unfaithful_gradients(local_module(model), "EKFAC")
-        kfac = KFAC(
+        refuse_unfaithful_gradients(model, "EKFAC")
+        check_not_fully_sharded(model, "KFAC")
+        sweep = Sweep(
             model,
             lossfunc,
             data,
-            fisher_type=fisher_type,
-            kfac_approx=kfac_approx,
-            mc_samples=mc_samples,
-            seed=seed,
             progress=progress,
             normaliser=normaliser,
             num_samples=num_samples,
             distributed=distributed,
+            what="EKFAC",
+        )
+        self._build(sweep, fisher_type, kfac_approx, mc_samples, seed, separate_weight_and_bias)
+
+    @classmethod
+    def _from_sweep(
+        cls,
+        sweep: Sweep,
+        fisher_type: str = "type-2",
+        kfac_approx: str = "expand",
+        mc_samples: int = 1,
+        seed: int = 0,
+        separate_weight_and_bias: bool = True,
+    ) -> EKFAC:
+        """`EKFAC` of a prepared `Sweep` (the data-set layer's own entry; arguments as above)."""
+        sweep.needs_reiterable("EKFAC")
+        refuse_unfaithful_gradients(sweep.model, "EKFAC")
+        check_not_fully_sharded(sweep.model, "KFAC")
+        op = cls.__new__(cls)
+        op._build(sweep, fisher_type, kfac_approx, mc_samples, seed, separate_weight_and_bias)
+        return op
+
+    def _build(
+        self,
+        sweep: Sweep,
+        fisher_type: str,
+        kfac_approx: str,
+        mc_samples: int,
+        seed: int,
+        separate_weight_and_bias: bool,
+    ) -> None:
+        kfac = KFAC._from_sweep(
+            sweep,
+            fisher_type=fisher_type,
+            kfac_approx=kfac_approx,
+            mc_samples=mc_samples,
+            seed=seed,
+            separate_weight_and_bias=separate_weight_and_bias,
         )
         super().__init__(kfac.model, trainable(kfac.model))
+        self.sweep = sweep
         self.kfac = kfac
         self.fisher_type = fisher_type
         self.blocks = kfac_eigenblocks(kfac)
-        group = kfac._group
+        group = sweep.group
         if group is not None:  # one eigenbasis on every rank (eigh may differ across ranks)
             vectors = _dist.all_reduce_flat(
                 group,
@@ -583,40 +605,32 @@ class EKFAC(CurvatureOperator):
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed + 1 + rank_of(group))
-            total, count = _correct(
-                kfac.model,
-                lossfunc,
-                data,
-                self.blocks,
-                fisher_type,
-                mc_samples,
-                progress,
-                normaliser,
-                num_samples,
-                group,
-                distributed,
-            )
+            total, count = _correct(sweep, self.blocks, fisher_type, mc_samples, kfac_approx)
         #: what the data-set loss divides its summed terms by (`ν` for "mean", 1 for "sum")
-        self.normaliser_total = total if reduction_of(lossfunc, normaliser) == "mean" else 1.0
+        self.normaliser_total = sweep.total(total)
         #: the number of samples of the data set
         self.num_samples_total = count
 
     @property
     def corrected(self) -> dict[str, Tensor]:
-        """`{parameter name: corrected eigenvalues}`, `(size_G, size_A)` or `(size_B,)`."""
+        """`{block name: corrected eigenvalues}`, `(size_G, size_A)` or `(size_B,)`."""
         return {b.name: b.values for b in self.blocks}
 
     def _matmat(self, V: Tensor) -> Tensor:
-        pieces = [b.apply(v, b.values) for b, v in zip(self.blocks, self.split(V))]
+        pieces = blockwise(
+            self.blocks, self.names, self.split(V), lambda b, v: b.apply(v, b.values)
+        )
         return torch.cat(pieces, dim=1).T
 
     def to_dense(self) -> Tensor:
         """The dense block-diagonal `[P, P]` matrix."""
-        return torch.block_diag(*[b.dense(b.values) for b in self.blocks])
+        dense = [b.dense(b.values) for b in self.blocks]
+        return assemble_dense(self.blocks, self.names, self.numels, dense)
 
     def diagonal(self) -> Tensor:
         """The diagonal, `(Q_G∘Q_G) Λ* (Q_A∘Q_A)ᵀ` per block."""
-        return torch.cat([b.diagonal(b.values) for b in self.blocks])
+        diags = [b.diagonal(b.values) for b in self.blocks]
+        return assemble_diagonal(self.blocks, self.names, self.numels, diags)
 
     def trace(self) -> Tensor:
         """The trace: the sum of the corrected eigenvalues (equal to the curvature's trace)."""
@@ -630,16 +644,17 @@ class EKFAC(CurvatureOperator):
         """`(E + λI)⁻¹`: `Q (Λ* + λ)⁻¹ Qᵀ` per block.
 
         Args:
-            damping: λ, one for all blocks or `{parameter name: λ}` per block.
+            damping: λ, one for all blocks or `{block name: λ}` per block (a block's name is
+                its parameter's, the weight's for a folded bias).
 
         Raises:
             ValueError: For a negative damping or a block without one.
         """
-        return EKFACInverse(self, _per_block(damping, self.names))
+        return EKFACInverse(self, _per_block(damping, [b.name for b in self.blocks]))
 
     def logdet(self, damping: float | Mapping[str, float] = 0.0) -> Tensor:
         """`log det(E + λI) = Σ log(Λ* + λ)` (-inf if singular)."""
-        per_block = _per_block(damping, self.names)
+        per_block = _per_block(damping, [b.name for b in self.blocks])
         return sum((b.values + per_block[b.name]).log().sum() for b in self.blocks)
 
 
@@ -654,10 +669,12 @@ class EKFACInverse(CurvatureOperator):
         self.damping = damping
 
     def _matmat(self, V: Tensor) -> Tensor:
-        pieces = [
-            b.apply(v, 1 / (b.values + self.damping[b.name]))
-            for b, v in zip(self.ekfac.blocks, self.split(V))
-        ]
+        pieces = blockwise(
+            self.ekfac.blocks,
+            self.names,
+            self.split(V),
+            lambda b, v: b.apply(v, 1 / (b.values + self.damping[b.name])),
+        )
         return torch.cat(pieces, dim=1).T
 
     def logdet(self) -> Tensor:

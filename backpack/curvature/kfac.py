@@ -17,22 +17,18 @@ import torch
 from torch import Tensor, nn
 
 from backpack.api import disable
-from backpack.curvature._data import (
-    Normaliser,
-    batch_normaliser,
-    first_tensor,
-    reduction_of,
-    trainable,
+from backpack.curvature._blocks import (
+    BlockLayout,
+    assemble_dense,
+    assemble_diagonal,
+    blockwise,
 )
-from backpack.curvature._distributed import (
-    all_sum,
-    check_not_fully_sharded,
-    local_module,
-    process_group,
-    rank_of,
-)
+from backpack.curvature._data import Normaliser, first_tensor
+from backpack.curvature._distributed import all_sum, check_not_fully_sharded, local_module
 from backpack.curvature._forward import refuse_unfaithful_gradients
-from backpack.curvature.accumulate import accumulate
+from backpack.curvature._lent import kron_targets, lent
+from backpack.curvature._sweep import Sweep
+from backpack.curvature.accumulate import accumulate_over
 from backpack.curvature.operators import CurvatureOperator
 from backpack.extensions import KFAC as KFACExtension
 from backpack.extensions import KFLR
@@ -44,39 +40,35 @@ __all__ = ["KFAC", "KFACInverse"]
 _TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d, nn.Embedding)
 
 
-class _Block:
-    """One parameter's factors and how they act on its entries.
+class _Block(BlockLayout):
+    """One block's factors and how they act on its entries (see `BlockLayout`).
 
-    `factors` is `[G, A]` (the block is `G ⊗ A` on the row-major flattening of the parameter, or
-    of `parameter.transpose(0, 1)` when `transposed`) or `[B]` (dense on the flattening).
+    `factors` is `[G, A]` (the block is `G ⊗ A` on the `[g, a]` coordinates: the parameter, or
+    `parameter.transpose(0, 1)` when `transposed`, with a folded bias as a last column) or
+    `[B]` (dense on the flattening).
     """
 
-    def __init__(self, name: str, shape: tuple, factors: list[Tensor], transposed: bool) -> None:
-        self.name = name
-        self.shape = shape
+    def __init__(
+        self,
+        name: str,
+        shape: tuple,
+        factors: list[Tensor],
+        transposed: bool,
+        bias: str | None = None,
+    ) -> None:
+        super().__init__(name, shape, transposed, bias)
         self.factors = factors
-        self.transposed = transposed
         self._eig: list[tuple[Tensor, Tensor]] | None = None
 
     @property
     def sizes(self) -> tuple[int, ...]:
         return tuple(f.shape[0] for f in self.factors)
 
-    def to_own(self, v: Tensor) -> Tensor:
-        """`[K, *shape]` → `[K, *sizes]` in the factors' coordinates."""
-        if self.transposed:
-            v = v.transpose(1, 2)
-        return v.reshape(v.shape[0], *self.sizes)
-
-    def from_own(self, w: Tensor) -> Tensor:
-        """Inverse of `to_own`."""
-        if self.transposed:
-            swapped = (self.shape[1], self.shape[0], *self.shape[2:])
-            return w.reshape(w.shape[0], *swapped).transpose(1, 2).reshape(w.shape[0], -1)
-        return w.reshape(w.shape[0], -1)
+    def own_shape(self) -> tuple[int, ...]:  # noqa: D102
+        return self.sizes
 
     def apply(self, v: Tensor, mats: list[Tensor]) -> Tensor:
-        """`(M_0 ⊗ M_1) v` (or `M_0 v`) for `v` `[K, *shape]`, flattened `[K, numel]` out."""
+        """`(M_0 ⊗ M_1) v` (or `M_0 v`) for `v` `[K, numel]`, flattened `[K, numel]` out."""
         w = self.to_own(v)
         if len(mats) == 2:
             w = mats[0] @ w @ mats[1].T
@@ -84,12 +76,15 @@ class _Block:
             w = w @ mats[0].T
         return self.from_own(w)
 
-    def permutation(self) -> Tensor | None:
-        """Index `idx` with `param.flatten()[idx]` = the factors' flattening (None: identity)."""
-        if not self.transposed:
-            return None
-        numel = math.prod(self.shape)
-        return torch.arange(numel).reshape(self.shape).transpose(0, 1).flatten()
+    def dense(self, mats: list[Tensor]) -> Tensor:
+        """`M_0 ⊗ M_1` (or `M_0`) as `[numel, numel]` in the parameters' order."""
+        own = torch.kron(mats[0], mats[1]) if len(mats) == 2 else mats[0]
+        return self.place_dense(own)
+
+    def diagonal_of(self, diags: list[Tensor]) -> Tensor:
+        """The diagonal of `M_0 ⊗ M_1` from the factors' diagonals, in the parameters' order."""
+        d = torch.outer(diags[0], diags[1]).flatten() if len(diags) == 2 else diags[0]
+        return self.place_diagonal(d)
 
     def eig(self) -> list[tuple[Tensor, Tensor]]:
         """Eigenvalues (clamped at 0: the factors are PSD up to rounding) and eigenvectors."""
@@ -132,6 +127,47 @@ def _orientation(name: str, p: Tensor, factors: list[Tensor], owner: nn.Module |
     return fits[0]
 
 
+def _blocks(
+    model: nn.Module,
+    params: list[tuple[str, nn.Parameter]],
+    factors: dict[str, list[Tensor]],
+    folded: dict[str, str],
+) -> list[_Block]:
+    """One block per parameter, or per folded weight and bias, in the parameters' order.
+
+    A weight of `folded` whose input factor did not get the constant-1 input (its layer's own
+    call did not compute its factors: a weight used outside its module) keeps separate blocks.
+    """
+    owners = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), module)
+    shapes = {name: p for name, p in params}
+    joint = {}
+    for weight, bias in folded.items():
+        fs = factors.get(weight, [])
+        if bias not in shapes or weight not in shapes or len(fs) != 2:
+            continue
+        p = shapes[weight]
+        rows = fs[0].shape[0]
+        if rows * (fs[1].shape[0] - 1) == p.numel() and shapes[bias].numel() == rows:
+            joint[weight] = bias
+    skipped = set(joint.values())
+    blocks = []
+    for name, p in params:
+        if name in skipped:
+            continue
+        fs = factors[name]
+        owner = owners.get(id(p))
+        if name in joint:
+            plain = [fs[0], fs[1][:-1, :-1]]
+            transposed = _orientation(name, p, plain, owner)
+            blocks.append(_Block(name, tuple(p.shape), fs, transposed, joint[name]))
+        else:
+            blocks.append(_Block(name, tuple(p.shape), fs, _orientation(name, p, fs, owner)))
+    return blocks
+
+
 class _GradientProjection(nn.Module):
     """`u_n = g_nᵀ f_n`: the model's output of sample n times the (fixed) gradient of its loss.
 
@@ -141,54 +177,48 @@ class _GradientProjection(nn.Module):
     layer's output (its `A` does not depend on the loss). That is the empirical-Fisher `G`.
     """
 
-    def __init__(self, model, lossfunc, normaliser, num_samples) -> None:
+    def __init__(self, sweep: Sweep) -> None:
         super().__init__()
-        self.inner = model
-        self.lossfunc = lossfunc
-        self.normaliser = normaliser
-        self.num_samples = num_samples
-        self.reduction = reduction_of(lossfunc, normaliser)
+        self.inner = sweep.model
+        self.sweep = sweep
         self.total = 0.0
 
     def forward(self, inputs):  # noqa: D102
         X, y = inputs
         f = self.inner(X)
-        nu = batch_normaliser(self.lossfunc, f, y, self.normaliser)
+        nu = self.sweep.nu(f, y)
         self.total += nu
         with torch.enable_grad(), disable():
             detached = f.detach().requires_grad_()
-            (g,) = torch.autograd.grad(self.lossfunc(detached, y), detached)
-        if self.reduction == "mean":
+            (g,) = torch.autograd.grad(self.sweep.lossfunc(detached, y), detached)
+        if self.sweep.reduction == "mean":
             g = g * nu  # gradients of the samples' unreduced losses
-        n = self.num_samples(X) if self.num_samples is not None else first_tensor(X).shape[0]
+        n = self.sweep.samples(X)
         return (f * g).reshape(n, -1).sum(1, keepdim=True)
 
 
-def _empirical_factors(
-    model, lossfunc, data, extension, progress, normaliser, num_samples, group, distributed
-):
+def _empirical_factors(sweep: Sweep, extension: Any):
     """`[G, A]` of the empirical Fisher `R Σ_n ∇ℓ_n ∇ℓ_nᵀ` (see `_GradientProjection`)."""
-    wrapper = _GradientProjection(model, lossfunc, normaliser, num_samples)
-    dtype = next(p for p in model.parameters() if p.requires_grad).dtype
+    wrapper = _GradientProjection(sweep)
+    dtype = sweep.dtype
 
     def projected():
-        for X, y in data:
-            n = num_samples(X) if num_samples is not None else first_tensor(X).shape[0]
-            target = torch.zeros(n, 1, dtype=dtype, device=first_tensor(X).device)
+        for X, y in sweep.data:
+            target = torch.zeros(sweep.samples(X), 1, dtype=dtype, device=first_tensor(X).device)
             yield (X, y), target
 
-    result = accumulate(
-        wrapper,
-        nn.MSELoss(reduction="sum"),
-        projected(),
-        [extension],
-        progress=progress,
-        write=False,
-        distributed=distributed,
+    projection = sweep.replace(
+        model=wrapper,
+        lossfunc=nn.MSELoss(reduction="sum"),
+        data=projected(),
+        normaliser=None,
+        num_samples=lambda inputs: sweep.samples(inputs[0]),
     )
+    result = accumulate_over(projection, [extension])
+    group = sweep.group
     if group is not None:  # every rank's sweep succeeded (accumulate agreed on it)
         (wrapper.total,) = all_sum(group, [], [wrapper.total], None, "sum KFAC's normalisers")
-    scale = 2 * (wrapper.total if wrapper.reduction == "mean" else 1.0)
+    scale = 2 * sweep.total(wrapper.total)
     factors = result.quantity(extension.savefield)
     factors = {name[len("inner.") :]: [f[0] / scale, *f[1:]] for name, f in factors.items()}
     return factors, scale / 2, result.num_samples
@@ -206,7 +236,11 @@ class KFAC(CurvatureOperator):
             sample (backpack's `KFAC`); "empirical": from the gradients of the samples' own
             losses (the Kronecker approximation of `EmpiricalFisher`, one backpropagated column).
         kfac_approx: "expand" or "reduce": the convention for layers sharing their weight over
-            positions (sequences, convolutions), see the docs' "Transformers" page.
+            positions (sequences, convolutions), see the docs' "Transformers" page. Both are
+            the published definitions (Eschenhagen et al., 2023), for convolutions too
+            ("expand": output positions act as samples); backpack's per-batch `KFLR`/`KFAC`
+            extensions keep the original BackPACK's convolution scale (docs: "Curvature of a
+            data set").
         mc_samples: Number of sampled labels for "mc".
         seed: Seed of the "mc" draws (the global RNG is forked, not advanced; under
             torch.distributed rank r draws from `seed + r`).
@@ -216,6 +250,12 @@ class KFAC(CurvatureOperator):
         distributed: `data` is this rank's shard (see `accumulate`): None (default) when
             torch.distributed runs with more than one process, True, or False. Every rank then
             builds the whole data set's factors (a collective).
+        separate_weight_and_bias: True (default): every parameter is a block of its own (a
+            bias gets `[G]`). False: the bias of an `nn.Linear`, transformers' `Conv1D` or a
+            convolution (both trainable, used by that layer only) is folded into its weight's
+            block as an appended constant-1 input: one block `G ⊗ Ã` of `[W | b]`,
+            `Ã = [[A, m], [mᵀ, 1]]` with `m` the mean input (the K-FAC papers' and kronfluence's
+            convention; curvlinops' option of the same name).
 
     The factors are those of the data-set loss (see `accumulate`): `A` averages all inputs of
     the data set, `G` sums the backpropagated outer products with the data-set loss's factor.
@@ -236,14 +276,54 @@ class KFAC(CurvatureOperator):
         normaliser: Normaliser | None = None,
         num_samples: Callable[[Any], int] | None = None,
         distributed: bool | None = None,
+        separate_weight_and_bias: bool = True,
     ) -> None:
         model = local_module(model)
         check_not_fully_sharded(model, "KFAC")
         refuse_unfaithful_gradients(model, "KFAC")
-        group = process_group(distributed, "KFAC")
-        params = trainable(model)
+        sweep = Sweep(
+            model,
+            lossfunc,
+            data,
+            progress=progress,
+            normaliser=normaliser,
+            num_samples=num_samples,
+            distributed=distributed,
+            what="KFAC",
+        )
+        self._build(sweep, fisher_type, kfac_approx, mc_samples, seed, separate_weight_and_bias)
+
+    @classmethod
+    def _from_sweep(
+        cls,
+        sweep: Sweep,
+        fisher_type: str = "type-2",
+        kfac_approx: str = "expand",
+        mc_samples: int = 1,
+        seed: int = 0,
+        separate_weight_and_bias: bool = True,
+    ) -> KFAC:
+        """`KFAC` of a prepared `Sweep` (the data-set layer's own entry; arguments as above)."""
+        check_not_fully_sharded(sweep.model, "KFAC")
+        refuse_unfaithful_gradients(sweep.model, "KFAC")
+        op = cls.__new__(cls)
+        op._build(sweep, fisher_type, kfac_approx, mc_samples, seed, separate_weight_and_bias)
+        return op
+
+    def _build(
+        self,
+        sweep: Sweep,
+        fisher_type: str,
+        kfac_approx: str,
+        mc_samples: int,
+        seed: int,
+        separate_weight_and_bias: bool,
+    ) -> None:
+        model = sweep.model
+        params = sweep.trainable()
         super().__init__(model, params)
-        self._group = group
+        #: the model, loss and data the factors were swept from
+        self.sweep = sweep
         if fisher_type == "type-2":
             extension = KFLR(kfac_approx=kfac_approx)
         elif fisher_type == "mc":
@@ -256,87 +336,49 @@ class KFAC(CurvatureOperator):
             )
         self.fisher_type = fisher_type
         self.kfac_approx = kfac_approx
-        devices = [self.device] if self.device.type == "cuda" else []
-        if fisher_type == "empirical":
-            factors, total, count = _empirical_factors(
-                model,
-                lossfunc,
-                data,
-                extension,
-                progress,
-                normaliser,
-                num_samples,
-                group,
-                distributed,
-            )
-        else:
-            with torch.random.fork_rng(devices=devices):
-                torch.manual_seed(seed + rank_of(group))
-                result = accumulate(
-                    model,
-                    lossfunc,
-                    data,
-                    [extension],
-                    progress=progress,
-                    normaliser=normaliser,
-                    num_samples=num_samples,
-                    write=False,
-                    distributed=distributed,
-                )
-            factors = result.quantity(extension.savefield)
-            total, count = result.normaliser, result.num_samples
+        self.separate_weight_and_bias = separate_weight_and_bias
+        targets, folded = kron_targets(model, kfac_approx, separate_weight_and_bias)
+        with lent(targets):
+            if fisher_type == "empirical":
+                factors, total, count = _empirical_factors(sweep, extension)
+            else:
+                devices = [self.device] if self.device.type == "cuda" else []
+                with torch.random.fork_rng(devices=devices):
+                    torch.manual_seed(seed + sweep.rank)
+                    result = accumulate_over(sweep, [extension])
+                factors = result.quantity(extension.savefield)
+                total, count = result.normaliser, result.num_samples
         #: what the data-set loss divides its summed terms by (`ν` for "mean", 1 for "sum")
         self.normaliser_total = total
         #: the number of samples of the data set
         self.num_samples_total = count
-        owners = {}
-        for module in model.modules():
-            for p in module.parameters(recurse=False):
-                owners.setdefault(id(p), module)
-        self.blocks = [
-            _Block(
-                name,
-                tuple(p.shape),
-                factors[name],
-                _orientation(name, p, factors[name], owners.get(id(p))),
-            )
-            for name, p in params
-        ]
+        self.blocks = _blocks(model, params, factors, folded)
+
+    _group = property(lambda self: self.sweep.group)
 
     @property
     def factors(self) -> dict[str, list[Tensor]]:
-        """`{parameter name: [G, A] or [B]}` of the data-set loss."""
+        """`{block name: [G, A] or [B]}` of the data-set loss.
+
+        A block's name is its parameter's (the weight's, for a weight with its bias folded in).
+        """
         return {b.name: b.factors for b in self.blocks}
 
     def _matmat(self, V: Tensor) -> Tensor:
-        pieces = [b.apply(v, b.factors) for b, v in zip(self.blocks, self.split(V))]
+        pieces = blockwise(
+            self.blocks, self.names, self.split(V), lambda b, v: b.apply(v, b.factors)
+        )
         return torch.cat(pieces, dim=1).T
-
-    def _block_dense(self, block: _Block, mats: list[Tensor]) -> Tensor:
-        dense = torch.kron(mats[0], mats[1]) if len(mats) == 2 else mats[0]
-        idx = block.permutation()
-        if idx is None:
-            return dense
-        out = torch.empty_like(dense)
-        out[idx[:, None], idx[None, :]] = dense
-        return out
 
     def to_dense(self) -> Tensor:
         """The dense block-diagonal `[P, P]` matrix."""
-        return torch.block_diag(*[self._block_dense(b, b.factors) for b in self.blocks])
-
-    def _diag_of(self, block: _Block, diags: list[Tensor]) -> Tensor:
-        d = torch.outer(diags[0], diags[1]).flatten() if len(diags) == 2 else diags[0]
-        idx = block.permutation()
-        if idx is None:
-            return d
-        out = torch.empty_like(d)
-        out[idx] = d
-        return out
+        dense = [b.dense(b.factors) for b in self.blocks]
+        return assemble_dense(self.blocks, self.names, self.numels, dense)
 
     def diagonal(self) -> Tensor:
         """The diagonal: `diag(G) ⊗ diag(A)` per block."""
-        return torch.cat([self._diag_of(b, [f.diagonal() for f in b.factors]) for b in self.blocks])
+        diags = [b.diagonal_of([f.diagonal() for f in b.factors]) for b in self.blocks]
+        return assemble_diagonal(self.blocks, self.names, self.numels, diags)
 
     def trace(self) -> Tensor:
         """The trace: `Σ tr(G) tr(A)` over the blocks."""
@@ -388,7 +430,7 @@ class KFACInverse(CurvatureOperator):
         return block.from_own(w)
 
     def _matmat(self, V: Tensor) -> Tensor:
-        pieces = [self._block_inverse(b, v) for b, v in zip(self.kfac.blocks, self.split(V))]
+        pieces = blockwise(self.kfac.blocks, self.names, self.split(V), self._block_inverse)
         return torch.cat(pieces, dim=1).T
 
     def logdet(self) -> Tensor:

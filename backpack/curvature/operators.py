@@ -19,15 +19,11 @@ import torch
 from torch import Tensor, nn
 from torch.func import grad, vjp, vmap
 
-from backpack.api import backpack, disable, extend
+from backpack.api import backpack, disable
 from backpack.curvature._data import (
     Batch,
     Normaliser,
-    batch_normaliser,
-    fingerprint,
     needs_reiterable,
-    reduction_of,
-    sweep,
     trainable,
 )
 from backpack.curvature._distributed import (
@@ -35,7 +31,6 @@ from backpack.curvature._distributed import (
     check_not_fully_sharded,
     guarded,
     local_module,
-    process_group,
     rank_of,
 )
 from backpack.curvature._forward import (
@@ -44,7 +39,8 @@ from backpack.curvature._forward import (
     refuse_unfaithful_gradients,
     refuse_unfixed_forward,
 )
-from backpack.curvature.accumulate import accumulate
+from backpack.curvature._sweep import Sweep
+from backpack.curvature.accumulate import accumulate_over
 from backpack.curvature.cg import CGInfo, NotPositiveDefiniteError, conjugate_gradients
 from backpack.extensions import BatchGrad, DiagGGNExact, DiagHessian, SqrtGGNMC, SumGradSquared
 
@@ -279,16 +275,28 @@ class _DataOperator(CurvatureOperator):
         refuse_unfixed_forward(model, name, forward_seed)
         super().__init__(model, trainable(model))
         self.forward_seed = forward_seed
-        self.distributed = distributed
-        self._group = process_group(distributed, type(self).__name__)
-        self.lossfunc = lossfunc
-        self.data = data
-        self.progress = progress
         self.column_chunk = column_chunk
-        self.normaliser = normaliser
-        self.num_samples = num_samples
-        self.reduction = reduction_of(lossfunc, normaliser)
-        self._fingerprint = fingerprint(model)
+        #: the model, loss and data every product sweeps (see `backpack.curvature._sweep`)
+        self.sweep = Sweep(
+            model,
+            lossfunc,
+            data,
+            progress=progress,
+            normaliser=normaliser,
+            num_samples=num_samples,
+            distributed=distributed,
+            what=name,
+        )
+        self._fingerprint = self.sweep.fingerprint()
+
+    lossfunc = property(lambda self: self.sweep.lossfunc, doc="The loss.")
+    data = property(lambda self: self.sweep.data, doc="The batches every product sweeps.")
+    progress = property(lambda self: self.sweep.progress, doc="Whether sweeps show a bar.")
+    normaliser = property(lambda self: self.sweep.normaliser, doc="Custom `(output, y) -> ν_b`.")
+    num_samples = property(lambda self: self.sweep.num_samples, doc="Custom sample count.")
+    reduction = property(lambda self: self.sweep.reduction, doc='"mean" or "sum".')
+    distributed = property(lambda self: self.sweep.distributed, doc="`distributed` as given.")
+    _group = property(lambda self: self.sweep.group)
 
     def inverse(
         self,
@@ -314,17 +322,17 @@ class _DataOperator(CurvatureOperator):
         return CGInverse(self, damping, tol=tol, max_iter=max_iter, preconditioner=preconditioner)
 
     def _check_model(self) -> None:
-        if fingerprint(self.model) != self._fingerprint:
+        if self.sweep.fingerprint() != self._fingerprint:
             raise ValueError(
                 f"The model's parameters changed since this {type(self).__name__} was built; "
                 "build a new operator for the new parameters."
             )
 
     def _nu(self, output: Tensor, y: Any) -> float:
-        return batch_normaliser(self.lossfunc, output, y, self.normaliser)
+        return self.sweep.nu(output, y)
 
     def _scale(self, nu: float) -> float:
-        return nu if self.reduction == "mean" else 1.0
+        return self.sweep.scale(nu)
 
     def _sweep(self, desc: str, seeded: bool = True) -> Iterator[Batch]:
         """The batches of one sweep, every forward inside it fixed (see `fixed_forward`).
@@ -334,7 +342,7 @@ class _DataOperator(CurvatureOperator):
         self._check_model()
         refuse_unfaithful_gradients(self.model, type(self).__name__)
         with self._fixed(seeded):
-            yield from sweep(self.data, self.progress, desc, self.num_samples)
+            yield from self.sweep.batches(desc)
 
     def _fixed(self, seeded: bool = True) -> ExitStack:
         """`fixed_forward` of this operator's model (both modules of a compiled one).
@@ -366,7 +374,7 @@ class _DataOperator(CurvatureOperator):
             return out, total
 
         out, total = self._global(local, torch.zeros_like(V))
-        return out / total if self.reduction == "mean" else out
+        return out / self.sweep.total(total)
 
     def _global(
         self, local: Callable[[], tuple[Tensor, float]], empty: Tensor
@@ -401,17 +409,7 @@ class _DataOperator(CurvatureOperator):
         """The flattened quantity of `extension` over the data set, and the result."""
         self._check_model()
         with self._fixed():
-            result = accumulate(
-                self.model,
-                self.lossfunc,
-                self.data,
-                [extension],
-                progress=self.progress,
-                normaliser=self.normaliser,
-                num_samples=self.num_samples,
-                write=False,
-                distributed=self.distributed,
-            )
+            result = accumulate_over(self.sweep, [extension])
         values = result.quantity(extension.savefield)
         return torch.cat([values[name].flatten() for name in self.names]), result
 
@@ -498,7 +496,7 @@ class GGN(_DataOperator):
         with disable(), torch.enable_grad(), product_forward(model):
             output = model(batch.X)
             nu = self._nu(output.detach(), batch.y)
-            if (self.reduction == "mean" and nu == 0) or not output.requires_grad:
+            if (self.sweep.empty(nu)) or not output.requires_grad:
                 return None, nu
             # the loss Hessian w.r.t. the output is symmetric: products by reverse-over-reverse
             _, loss_hessian = vjp(grad(lambda o: self.lossfunc(o, batch.y)), output.detach())
@@ -534,9 +532,7 @@ class GGN(_DataOperator):
     # --- Monte-Carlo GGN: products and diagonal from the same sampled square-root factors ---
     def _mc_factors(self):
         """Yield each batch's `[M·N_b, P]` factor at the sum scale, and its ν_b (seeded draws)."""
-        extend(self.model)
-        if isinstance(self.lossfunc, nn.Module):
-            extend(self.lossfunc)
+        self.sweep.extend()
         params = trainable(self.model)
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
@@ -545,7 +541,7 @@ class GGN(_DataOperator):
                 with torch.enable_grad():
                     output = self.model(batch.X)
                     nu = self._nu(output, batch.y)
-                    if self.reduction == "mean" and nu == 0:
+                    if self.sweep.empty(nu):
                         yield None, nu
                         continue
                     loss = self.lossfunc(output, batch.y)
@@ -577,7 +573,7 @@ class GGN(_DataOperator):
             return out, total
 
         out, total = self._global(local, empty)
-        return out / total if self.reduction == "mean" else out
+        return out / self.sweep.total(total)
 
     def diagonal(self) -> Tensor:
         """The exact diagonal (`DiagGGNExact` over the data), or the MC GGN's own diagonal."""
@@ -687,7 +683,7 @@ class Hessian(_DataOperator):
             return (torch.zeros_like(V) if out is None else out), total
 
         out, total = self._global(local, torch.zeros_like(V))
-        return out / total if self.reduction == "mean" else out
+        return out / self.sweep.total(total)
 
     def _graph(self, batch: Batch) -> _Graph:
         """The batch's loss gradient with its graph (`create_graph`), and its `ν`."""
@@ -698,7 +694,7 @@ class Hessian(_DataOperator):
         with disable(), torch.enable_grad(), product_forward(model):
             output = model(batch.X)
             nu = self._nu(output.detach(), batch.y) if self.reduction == "mean" else 1.0
-            if self.reduction == "mean" and nu == 0:
+            if self.sweep.empty(nu):
                 return _Graph(names, params, (), [], nu)
             loss = self.lossfunc(output, batch.y)
             # reverse-over-reverse (forward-over-reverse trips over torch's zero tangents of some
@@ -822,14 +818,12 @@ class EmpiricalFisher(_DataOperator):
     """
 
     def _batch_product(self, batch, V):  # noqa: D102
-        extend(self.model)
-        if isinstance(self.lossfunc, nn.Module):
-            extend(self.lossfunc)
+        self.sweep.extend()
         params = trainable(self.model)
         with torch.enable_grad():
             output = self.model(batch.X)
             nu = self._nu(output, batch.y)
-            if self.reduction == "mean" and nu == 0:
+            if self.sweep.empty(nu):
                 return None, nu
             loss = self.lossfunc(output, batch.y)
             saved = [p.grad for _, p in params]

@@ -26,22 +26,16 @@ and convolutions (output gradients times the unfolded input patches, per output 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from backpack.api import backpack, extend
-from backpack.curvature._data import (
-    Batch,
-    Normaliser,
-    batch_normaliser,
-    reduction_of,
-    sweep,
-    trainable,
-)
+from backpack.api import backpack
+from backpack.curvature._data import Batch
+from backpack.curvature._sweep import Sweep
 from backpack.extensions import BatchGrad
 from backpack.extensions.firstorder import FirstOrderModuleExtension
 from backpack.recording import describe, is_parametrized
@@ -450,39 +444,31 @@ def recorded_classes(model: nn.Module, per_token: bool) -> tuple[set[type], list
 
 
 def site_batches(
-    model: nn.Module,
-    lossfunc: Any,
-    data: Iterable,
-    classes: set[type],
-    progress: bool = False,
-    desc: str = "gradients",
-    normaliser: Normaliser | None = None,
-    num_samples: Callable[[Any], int] | None = None,
+    sweep: Sweep, classes: set[type], desc: str = "gradients"
 ) -> Iterator[tuple[Batch, dict[str, list[Site]]]]:
     """Yield `(batch, {name: [Site, ...]})`: each batch's gradients of its samples' own losses.
 
-    Layers of `classes` give their factors, every other parameter one "sample" site
-    (backpack's `grad_batch`); all at the scale of the sample's own loss (times `ν_b`).
+    Over the `Sweep`'s data; layers of `classes` give their factors, every other parameter one
+    "sample" site (backpack's `grad_batch`); all at the scale of the sample's own loss (times
+    `ν_b`).
 
     Raises:
         ValueError: For a parameter without gradients, or a recorded call whose samples are not
             the batch's (several forwards per batch: use `factored=False`).
     """
-    extend(model)
-    if isinstance(lossfunc, nn.Module):
-        extend(lossfunc)
-    reduction = reduction_of(lossfunc, normaliser)
-    params = trainable(model)
+    sweep.extend()
+    model, lossfunc = sweep.model, sweep.lossfunc
+    params = sweep.trainable()
     extension = BatchGrad()
     recorder = _Record()
     for cls in classes:
         extension.set_module_extension(cls, recorder, overwrite=True)
-    for batch in sweep(data, progress, desc, num_samples):
+    for batch in sweep.batches(desc):
         n = batch.num_samples
         with torch.enable_grad():
             output = model(batch.X)
-            nu = batch_normaliser(lossfunc, output, batch.y, normaliser)
-            if reduction == "mean" and nu == 0:
+            nu = sweep.nu(output, batch.y)
+            if sweep.empty(nu):
                 zeros = {
                     name: [Site("sample", p.shape, p.new_zeros(n, *p.shape))] for name, p in params
                 }
@@ -501,7 +487,7 @@ def site_batches(
                     p.__dict__.pop("grad_batch", None)
                     p.grad = g
                 raise
-        scale = nu if reduction == "mean" else 1.0
+        scale = sweep.scale(nu)
         result: dict[str, list[Site]] = {}
         for (name, p), g in zip(params, saved):
             p.grad = g

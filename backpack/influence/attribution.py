@@ -18,7 +18,6 @@ The strategy approximates `F` (block diagonal over the parameters except "identi
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -26,7 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from backpack.curvature._data import Normaliser, digest, reduction_of, trainable
+from backpack.api import disable
+from backpack.curvature._data import Normaliser, digest, first_tensor, trainable
 from backpack.curvature._distributed import (
     all_sum,
     check_not_fully_sharded,
@@ -34,7 +34,9 @@ from backpack.curvature._distributed import (
     process_group,
     rank_of,
 )
+from backpack.curvature._lent import kron_layer, kron_targets
 from backpack.curvature._rows import row_batches
+from backpack.curvature._sweep import Sweep
 from backpack.curvature.ekfac import EKFAC, EigenBlock, kfac_eigenblocks
 from backpack.curvature.kfac import KFAC
 from backpack.influence._sites import (
@@ -59,28 +61,20 @@ _FORMAT = 1
 
 
 def _diagonal_blocks(
-    model, lossfunc, data, fisher, mc_samples, seed, progress, normaliser, num_samples, group=None
+    sweep: Sweep, fisher: str, mc_samples: int, seed: int, folded: Mapping[str, str]
 ) -> tuple[list[EigenBlock], int]:
     """`diag F` (the mean over the examples) per parameter, from one sweep of rows.
 
-    Under torch.distributed (`group`), `data` is this rank's shard: the sums and counts of all
-    ranks are added (one all-reduce) and sampled labels use `seed + rank`.
+    `folded`: `{weight: bias}` whose entries share one block (and one heuristic damping).
+
+    Under torch.distributed (the sweep's group), the data is this rank's shard: the sums and
+    counts of all ranks are added (one all-reduce) and sampled labels use `seed + rank`.
     """
-    params = trainable(model)
+    group = sweep.group
+    params = sweep.trainable()
     done, error = guarded(
         group,
-        lambda: _diagonal_sums(
-            model,
-            lossfunc,
-            data,
-            fisher,
-            mc_samples,
-            seed + (0 if group is None else rank_of(group)),
-            progress,
-            normaliser,
-            num_samples,
-            params,
-        ),
+        lambda: _diagonal_sums(sweep, fisher, mc_samples, seed + sweep.rank, params),
         "influence.fit",
     )
     if group is None:
@@ -102,11 +96,11 @@ def _diagonal_blocks(
             "influence.fit",
         )
         count = int(round(total))
-    return _diagonal_result(params, sums, count), count
+    return _diagonal_result(params, sums, count, folded), count
 
 
 def _diagonal_sums(
-    model, lossfunc, data, fisher, mc_samples, seed, progress, normaliser, num_samples, params
+    sweep: Sweep, fisher: str, mc_samples: int, seed: int, params
 ) -> tuple[dict[str, Tensor], int]:
     """This process's sums of squared rows, and its number of examples."""
     sums = {name: torch.zeros_like(p, memory_format=torch.contiguous_format) for name, p in params}
@@ -114,10 +108,8 @@ def _diagonal_sums(
     devices = [p.device for _, p in params[:1] if p.device.type == "cuda"]
     kind = {"true": "mc", "type-2": "type-2", "empirical": "grad"}[fisher]
     if fisher == "empirical":  # the gradients' squares, from factors where they allow
-        classes, _ = recorded_classes(model, False)
-        for batch, sites in site_batches(
-            model, lossfunc, data, classes, progress, "diagonal", normaliser, num_samples
-        ):
+        classes, _ = recorded_classes(sweep.model, False)
+        for batch, sites in site_batches(sweep, classes, "diagonal"):
             count += batch.num_samples
             for name, value in sites.items():
                 sums[name] += square_sum(value)
@@ -125,20 +117,34 @@ def _diagonal_sums(
         return sums, count
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
-        for batch, rows, _ in row_batches(
-            model, lossfunc, data, kind, mc_samples, progress, "diagonal", normaliser, num_samples
-        ):
+        for batch, rows, _ in row_batches(sweep, kind, mc_samples, "diagonal"):
             count += batch.num_samples
             for name, value in rows.items():
                 sums[name] += value.square().sum(0).detach()
     return sums, count
 
 
-def _diagonal_result(params, sums, count) -> list[EigenBlock]:
-    return [
-        EigenBlock(name, tuple(p.shape), [], (sums[name] / count).flatten().detach(), False)
-        for name, p in params
-    ]
+def _diagonal_result(params, sums, count, folded: Mapping[str, str]) -> list[EigenBlock]:
+    """One diagonal block per parameter, or per weight with its bias (`folded`)."""
+    shapes = {name: tuple(p.shape) for name, p in params}
+    biases = {b for w, b in folded.items() if w in shapes and b in shapes}
+    blocks = []
+    for name, _ in params:
+        if name in biases:
+            continue
+        values = (sums[name] / count).detach()
+        bias = folded.get(name)
+        if bias is None or bias not in shapes:
+            blocks.append(EigenBlock(name, shapes[name], [], values.flatten(), False))
+            continue
+        # the weight's rows are its first axis, or its second (transformers' `Conv1D`)
+        transposed = shapes[name][0] != shapes[bias][0]
+        block = EigenBlock(name, shapes[name], [], values, transposed, bias)
+        block.values = values.new_empty(block.rows, block.numel // block.rows)  # its coordinates
+        flat = torch.cat([values.flatten(), (sums[bias] / count).detach().flatten()])
+        block.values = block.to_own(flat[None])[0]
+        blocks.append(block)
+    return blocks
 
 
 class Influence:
@@ -172,44 +178,77 @@ class Influence:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
         check_not_fully_sharded(model, "backpack.influence")
-        params = trainable(model)
+        # the model and loss whose gradients are scored (each call's data: `sweep.over`);
+        # built here, which fails early on an unusable loss
+        sweep = Sweep(
+            model,
+            lossfunc,
+            None,
+            normaliser=normaliser,
+            num_samples=num_samples,
+            distributed=False,
+            what="backpack.influence",
+        )
+        self._setup(sweep, strategy, blocks, damping, info)
+
+    @classmethod
+    def _from_sweep(
+        cls,
+        sweep: Sweep,
+        strategy: str,
+        blocks: list[EigenBlock] | None,
+        damping: Mapping[str, float] | None,
+        info: Mapping[str, Any],
+    ) -> Influence:
+        """The fit of `sweep`'s model and loss (`fit`'s own entry; arguments as above)."""
+        out = cls.__new__(cls)
+        local = sweep.replace(data=None, group=None, distributed=False, progress=False)
+        out._setup(local, strategy, blocks, damping, info)
+        return out
+
+    def _setup(
+        self,
+        sweep: Sweep,
+        strategy: str,
+        blocks: list[EigenBlock] | None,
+        damping: Mapping[str, float] | None,
+        info: Mapping[str, Any] | None,
+    ) -> None:
+        params = sweep.trainable()
         if strategy != "identity":
             if blocks is None or damping is None:
                 raise ValueError(f"strategy {strategy!r} needs blocks and damping.")
             names = [name for name, _ in params]
-            if [b.name for b in blocks] != names:
+            covered = [n for b in blocks for n in b.names]
+            if sorted(covered) != sorted(names) or len(set(covered)) != len(covered):
                 raise ValueError(
                     "The model's trainable parameters are not those of the fit: "
-                    f"{names} vs. {[b.name for b in blocks]}."
+                    f"{names} vs. {covered}."
                 )
-            for b, (name, p) in zip(blocks, params):
-                if tuple(b.shape) != tuple(p.shape):
-                    raise ValueError(
-                        f"{name} has shape {tuple(p.shape)}, the fit's has {tuple(b.shape)}."
-                    )
-        self.model = model
-        self.lossfunc = lossfunc
+            shapes = {name: tuple(p.shape) for name, p in params}
+            for b in blocks:
+                expected = {b.name: tuple(b.shape)}
+                if b.bias is not None:
+                    expected[b.bias] = (b.rows,)
+                for name, shape in expected.items():
+                    if shapes[name] != shape:
+                        raise ValueError(f"{name} has shape {shapes[name]}, the fit's has {shape}.")
         self.strategy = strategy
         self.blocks = blocks
         self.damping = dict(damping) if damping is not None else None
         self.info = dict(info or {})
-        self.normaliser = normaliser
-        self.num_samples = num_samples
-        reduction_of(lossfunc, normaliser)  # fail early on an unusable loss
+        #: the model and loss whose gradients are scored (each call's data: `sweep.over`)
+        self.sweep = sweep
+
+    model = property(lambda self: self.sweep.model, doc="The model whose gradients are scored.")
+    lossfunc = property(lambda self: self.sweep.lossfunc, doc="The loss.")
+    normaliser = property(lambda self: self.sweep.normaliser, doc="Custom `(output, y) -> ν_b`.")
+    num_samples = property(lambda self: self.sweep.num_samples, doc="Custom sample count.")
 
     # --- per-example gradients and the preconditioner ---------------------------------------
     def gradients(self, data: Iterable, progress: bool = False) -> Iterator[dict[str, Tensor]]:
         """Yield `{parameter name: [n_b, *shape]}`: each batch's gradients of its own losses."""
-        for _, rows, _ in row_batches(
-            self.model,
-            self.lossfunc,
-            data,
-            "grad",
-            progress=progress,
-            desc="gradients",
-            normaliser=self.normaliser,
-            num_samples=self.num_samples,
-        ):
+        for _, rows, _ in row_batches(self.sweep.over(data, progress), "grad", desc="gradients"):
             yield {name: value.detach() for name, value in rows.items()}
 
     def _scale(self, block: EigenBlock) -> Tensor:
@@ -222,7 +261,10 @@ class Influence:
         """`(F + λI)⁻¹ g` for gradients `{name: [K, *shape]}`; `{name: [K, numel]}` out."""
         if self.strategy == "identity":
             return {name: value.flatten(1) for name, value in rows.items()}
-        return {b.name: b.apply(rows[b.name], self._scale(b)) for b in self.blocks}
+        out: dict[str, Tensor] = {}
+        for b in self.blocks:
+            out.update(b.scatter(b.apply(b.gather(rows), self._scale(b))))
+        return out
 
     def _sites(self, data: Iterable, progress: bool, per_token: bool, factored: bool, desc: str):
         """`site_batches` recording the layers that `per_token` / `factored` need."""
@@ -235,32 +277,26 @@ class Influence:
                     f"position; not: {', '.join(uncovered)}. Freeze them "
                     "(requires_grad_(False)) or score whole sequences (per_token=False)."
                 )
-        return site_batches(
-            self.model,
-            self.lossfunc,
-            data,
-            classes,
-            progress,
-            desc,
-            self.normaliser,
-            self.num_samples,
-        )
+        return site_batches(self.sweep.over(data, progress), classes, desc)
 
-    def _precondition_sites(self, sites: list[Site], block: EigenBlock | None) -> Tensor:
-        """`(F + λI)⁻¹ g` block `[N, numel]` of one parameter, a few samples at a time."""
-        n = sites[0].num_samples
-        numel = math.prod(sites[0].shape)
-        if block is None:  # identity
-            return dense(sites).reshape(n, numel)
+    def _precondition_sites(
+        self, sites: Mapping[str, list[Site]], block: EigenBlock
+    ) -> dict[str, Tensor]:
+        """`(F + λI)⁻¹ g` of one block, `{name: [N, numel]}`, a few samples at a time."""
+        names = block.names
+        n = sites[names[0]][0].num_samples
+        numel = block.numel
         out = None
         step = max(1, CHUNK_ENTRIES // max(numel, 1))
         scale = self._scale(block)
         for start in range(0, n, step):
-            value = block.apply(dense(sites, start, min(start + step, n)), scale)
+            stop = min(start + step, n)
+            rows = {name: dense(sites[name], start, stop) for name in names}
+            value = block.apply(block.gather(rows), scale)
             if out is None:
                 out = value.new_empty(n, numel)
             out[start : start + value.shape[0]] = value
-        return out
+        return block.scatter(out)
 
     def _query(
         self, query_data: Iterable, progress: bool, factored: bool
@@ -271,12 +307,15 @@ class Influence:
         """
         pieces: dict[str, list[Tensor]] = {}
         factors: dict[str, list[Site] | None] = {}
-        blocks = {b.name: b for b in self.blocks} if self.blocks is not None else {}
         for _, sites in self._sites(query_data, progress, False, factored, "query gradients"):
-            for name, value in sites.items():
-                pieces.setdefault(name, []).append(
-                    self._precondition_sites(value, blocks.get(name))
-                )
+            if self.blocks is None:  # identity
+                for name, value in sites.items():
+                    n = value[0].num_samples
+                    pieces.setdefault(name, []).append(dense(value).reshape(n, -1))
+            else:
+                for block in self.blocks:
+                    for name, value in self._precondition_sites(sites, block).items():
+                        pieces.setdefault(name, []).append(value)
             for name, value in sites.items():
                 keep = self.strategy == "identity" and len(value) == 1 and value[0].kind == "outer"
                 if not keep:
@@ -427,7 +466,10 @@ class Influence:
                 out.append(total)
             else:
                 out.append(
-                    sum(b.quadratic(dense(sites[b.name]), self._scale(b)) for b in self.blocks)
+                    sum(
+                        b.quadratic(b.gather({n: dense(sites[n]) for n in b.names}), self._scale(b))
+                        for b in self.blocks
+                    )
                 )
         return torch.cat(out)
 
@@ -480,10 +522,53 @@ class Influence:
         return f"Influence(strategy={self.strategy!r}, info={self.info})"
 
 
-def _damping(blocks: list[EigenBlock], damping: float | None) -> dict[str, float]:
+def _damping(
+    blocks: list[EigenBlock], damping: float | Mapping[str, float] | None
+) -> dict[str, float]:
+    """λ per block: the heuristic (None), one value, or `{block name: λ}`."""
     if damping is None:
         return {b.name: HEURISTIC_DAMPING * float(b.values.mean()) for b in blocks}
+    if isinstance(damping, Mapping):
+        missing = [b.name for b in blocks if b.name not in damping]
+        if missing:
+            raise ValueError(f"damping has no value for the blocks {missing}.")
+        return {b.name: float(damping[b.name]) for b in blocks}
     return {b.name: float(damping) for b in blocks}
+
+
+def _positions(sweep: Sweep, blocks: list[EigenBlock]) -> dict[str, int]:
+    """`{block name: T}`: the output positions per example of each Kronecker block's layer.
+
+    For the blocks of `nn.Linear` (and `Conv1D`) layers and convolutions, from one forward of
+    the sweep's first batch: the layer's output entries per example over its output features
+    (a Linear layer on `[N, T, in]`: T; a convolution: its output positions). Other blocks: 1.
+    """
+    model, X = sweep.model, sweep.first_inputs()
+    modules = dict(model.named_modules())
+    layers = {}
+    for b in blocks:
+        owner = modules.get(b.name.rpartition(".")[0])
+        if len(b.vectors) == 2 and owner is not None and kron_layer(owner):
+            layers.setdefault(owner, []).append(b)
+    sizes: dict[nn.Module, int] = {}
+
+    def hook(module: nn.Module, args: tuple, output: Any) -> None:
+        out = first_tensor(output)
+        sizes[module] = sizes.get(module, 0) + (out.numel() if out is not None else 0)
+
+    handles = [m.register_forward_hook(hook) for m in layers]
+    try:
+        with torch.no_grad(), disable():
+            model(X)
+    finally:
+        for handle in handles:
+            handle.remove()
+    n = sweep.samples(X)
+    out = {b.name: 1 for b in blocks}
+    for module, members in layers.items():
+        for b in members:
+            out[b.name] = max(1, sizes.get(module, 0) // (n * b.rows))
+    return out
 
 
 def fit(
@@ -491,7 +576,7 @@ def fit(
     lossfunc: Any,
     train_data: Iterable,
     strategy: str = "ekfac",
-    damping: float | None = None,
+    damping: float | Mapping[str, float] | None = None,
     fisher: str = "true",
     mc_samples: int = 1,
     seed: int = 0,
@@ -500,6 +585,8 @@ def fit(
     normaliser: Normaliser | None = None,
     num_samples: Callable[[Any], int] | None = None,
     distributed: bool | None = None,
+    separate_weight_and_bias: bool = True,
+    kfac_positions: str = "sum",
 ) -> Influence:
     """Fit the curvature approximation of `strategy` to the training data (once).
 
@@ -511,9 +598,10 @@ def fit(
         strategy: How `F` is approximated: "identity" (`F + λI` replaced by `I`: plain
             gradient dot products, no fit), "diagonal" (`diag F`), "kfac" (`G ⊗ A` per
             parameter) or "ekfac" (KFAC's eigenbasis with `F`'s own eigenvalues in it).
-        damping: λ for every block; None: per block, `0.1 ×` the mean of its eigenvalues (for
-            "diagonal": of its diagonal entries). Directions where both the approximation and
-            λ vanish are left out (a pseudo-inverse).
+        damping: λ for every block, or `{block name: λ}` per block (a block's name is its
+            parameter's; the weight's for a folded bias); None: per block, `0.1 ×` the mean of
+            its eigenvalues (for "diagonal": of its diagonal entries). Directions where both the
+            approximation and λ vanish are left out (a pseudo-inverse).
         fisher: "true" (labels sampled from the model), "type-2" (its exact expectation, the
             GGN) or "empirical" (the data's labels).
         mc_samples: Sampled labels per example for "true".
@@ -527,6 +615,15 @@ def fit(
             training set and every rank gets the fit of the whole set (None: whenever
             torch.distributed runs with more than one process; a collective call then). Each
             rank's `scores(query_data, train_data)` are then the columns of its own shard.
+        separate_weight_and_bias: False folds the bias of an `nn.Linear`, `Conv1D` or
+            convolution into its weight's block: for "kfac" and "ekfac" one Kronecker block per
+            layer (the K-FAC papers' and kronfluence's, see `KFAC`), for "diagonal" one block
+            per layer as far as the heuristic damping goes (kronfluence's mean per module).
+        kfac_positions: For "kfac": "sum" (default) takes `F` per example, summed over a
+            layer's positions (the published "expand" definition); "mean" divides the block of
+            every `nn.Linear`/`Conv1D` layer and convolution by its number of output positions
+            T (a sequence's tokens, a convolution's output pixels), kronfluence's covariances
+            averaged over all positions. With `damping=None` the heuristic λ scales along.
 
     Returns:
         An `Influence` with `scores`, `self_scores`, `save`.
@@ -543,43 +640,62 @@ def fit(
     check_not_fully_sharded(model, "influence.fit")
     if fisher not in _FISHERS:
         raise ValueError(f"fisher must be one of {tuple(_FISHERS)}, got {fisher!r}.")
-    if damping is not None and damping < 0:
+    values = damping.values() if isinstance(damping, Mapping) else [damping]
+    if any(v is not None and v < 0 for v in values):
         raise ValueError(f"damping must be non-negative, got {damping}.")
-    info: dict[str, Any] = {"fisher": fisher, "kfac_approx": kfac_approx}
+    if kfac_positions not in ("sum", "mean"):
+        raise ValueError(f"kfac_positions must be 'sum' or 'mean', got {kfac_positions!r}.")
+    info: dict[str, Any] = {
+        "fisher": fisher,
+        "kfac_approx": kfac_approx,
+        "separate_weight_and_bias": separate_weight_and_bias,
+        "kfac_positions": kfac_positions,
+    }
     if strategy == "identity":
         return Influence(
             model, lossfunc, strategy, info=info, normaliser=normaliser, num_samples=num_samples
         )
-    group = process_group(distributed, "influence.fit")
-    common = dict(progress=progress, normaliser=normaliser, num_samples=num_samples)
+    sweep = Sweep(
+        model,
+        lossfunc,
+        train_data,
+        progress=progress,
+        normaliser=normaliser,
+        num_samples=num_samples,
+        distributed=distributed,
+        what="influence.fit",
+    )
     if strategy == "diagonal":
-        blocks, count = _diagonal_blocks(
-            model, lossfunc, train_data, fisher, mc_samples, seed, **common, group=group
-        )
+        folded = {} if separate_weight_and_bias else kron_targets(sweep.model, "", False)[1]
+        blocks, count = _diagonal_blocks(sweep, fisher, mc_samples, seed, folded)
     else:
         operator_args = dict(
             fisher_type=_FISHERS[fisher],
             kfac_approx=kfac_approx,
             mc_samples=mc_samples,
             seed=seed,
-            distributed=group is not None,
-            **common,
+            separate_weight_and_bias=separate_weight_and_bias,
         )
         if strategy == "kfac":
-            op = KFAC(model, lossfunc, train_data, **operator_args)
+            op = KFAC._from_sweep(sweep, **operator_args)
             blocks = kfac_eigenblocks(op)
         else:
-            op = EKFAC(model, lossfunc, train_data, **operator_args)
+            op = EKFAC._from_sweep(sweep, **operator_args)
             blocks = op.blocks
         count = op.num_samples_total
         # the operators' scale is the data-set loss's (R Σ_n); F is the mean over examples
         factor = op.normaliser_total / count
+        scale = dict.fromkeys([b.name for b in blocks], factor)
+        if strategy == "kfac" and kfac_positions == "mean":
+            for name, t in _positions(sweep, blocks).items():
+                scale[name] = factor / t
         blocks = [
-            EigenBlock(b.name, b.shape, b.vectors, b.values * factor, b.transposed) for b in blocks
+            EigenBlock(b.name, b.shape, b.vectors, b.values * scale[b.name], b.transposed, b.bias)
+            for b in blocks
         ]
     info["num_samples"] = count
     damping_of = _damping(blocks, damping)
-    return Influence(model, lossfunc, strategy, blocks, damping_of, info, normaliser, num_samples)
+    return Influence._from_sweep(sweep, strategy, blocks, damping_of, info)
 
 
 def load(

@@ -427,6 +427,35 @@ class ConvRule(ModuleRule):
             result["bias"] = b2.sum(0) if per_sample else b2.sum((0, 1))
         return result
 
+    # --- for the data-set layer (`backpack.curvature`): the pieces its own conventions use ---
+    @staticmethod
+    def input_and_factor(record: Record, factors: Sequence[Tensor | None]) -> tuple[Tensor, Any]:
+        """Input `[N, C_in, *in]` and factor `[V, N, C_out, *out]` of a call (unbatched: N = 1)."""
+        return _input_and_factor(record, factors)
+
+    @staticmethod
+    def pair_gradients(
+        module: nn.Module, x: Tensor, f: Tensor
+    ) -> Iterator[tuple[slice, slice, Tensor]]:
+        """Chunks `(samples, columns, [n, v, G, ...])` of every (column, sample) weight gradient.
+
+        The gradients are in the weight's layout split by groups: `[n, v, G, C_out / G, ...]`.
+        """
+        return _pair_grads(module, x, f)
+
+    @staticmethod
+    def unfolded_input(module: nn.Module, x: Tensor, out_size: Sequence[int]) -> Tensor:
+        """`[N, G, L, D]`: each sample's input patch of every output position, per group.
+
+        `D = C_in / G · K` for `ConvNd` (the weight's `[C_out, D]` columns), `C_in · K` with
+        `G = 1` for `ConvTransposeNd` (the columns of `weight.transpose(0, 1)`).
+        """
+        if convnd.is_transposed(module):
+            return _transposed_unfold(module, x, out_size).transpose(1, 2).unsqueeze(1)
+        groups = module.groups
+        u = convnd.unfold_channels_first(module, x, out_size)  # [G D, N L]
+        return u.reshape(groups, u.shape[0] // groups, x.shape[0], -1).permute(2, 0, 3, 1)
+
     def kron_output_gram(
         self, record: Record, factors: Sequence[Tensor | None], approx: str = "expand"
     ) -> Tensor:

@@ -1,4 +1,5 @@
-"""Squares of convolution gradients in a Kronecker eigenbasis (`backpack.curvature._conv_eigen`)."""
+"""Squares of gradients in a Kronecker eigenbasis (`backpack.curvature._eigen`): convolutions
+and Linear layers, each with its bias in its own basis or folded into the weight's."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import torch
 from torch import nn
 
 from backpack import backpack, extend
-from backpack.curvature import _conv_eigen
-from backpack.curvature._conv_eigen import Bases, eigenbasis_rules
+from backpack.curvature import _eigen
+from backpack.curvature._eigen import EigenState, eigen_rules
 from backpack.extensions import SumGradSquared
 
 LAYERS = {
@@ -49,12 +50,12 @@ def test_squares_and_gradient_of_the_sweep(kind, native, monkeypatch):
     expected = (q_out.T @ grads @ q_in).square().sum(0)
     bias = g.sum(tuple(range(2, g.dim())))
     (plain,) = torch.autograd.grad(layer(x), layer.weight, g)
-    chosen = _conv_eigen.plan
+    chosen = _eigen.plan
     monkeypatch.setattr(
-        _conv_eigen, "plan", lambda *args: {**chosen(*args), "native": native and kind != "conv"}
+        _eigen, "plan", lambda *args: {**chosen(*args), "native": native and kind != "conv"}
     )
     extend(layer)
-    with eigenbasis_rules({layer: Bases(q_out, q_in, q_bias)}):
+    with eigen_rules({layer: EigenState(q_out, q_in, q_bias)}):
         with backpack(SumGradSquared()):
             (layer(x) * g).sum().backward()
     assert type(layer) is LAYERS[kind]().__class__
@@ -62,3 +63,64 @@ def test_squares_and_gradient_of_the_sweep(kind, native, monkeypatch):
     torch.testing.assert_close(layer.bias.sum_grad_squared, (bias @ q_bias).square().sum(0))
     torch.testing.assert_close(layer.weight.grad, plain)
     torch.testing.assert_close(layer.bias.grad, bias.sum(0))
+
+
+def folded_grads(layer: nn.Module, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """`[N, C_out, D + 1]`: per-sample gradients of `[W | b]` in the block's coordinates."""
+    rows = []
+    for n in range(x.shape[0]):
+        out = layer(x[n : n + 1])
+        w, b = torch.autograd.grad(out, [layer.weight, layer.bias], g[n : n + 1])
+        if isinstance(layer, nn.ConvTranspose1d):
+            w = w.transpose(0, 1)
+        rows.append(torch.cat([w.reshape(w.shape[0], -1), b[:, None]], dim=1))
+    return torch.stack(rows)
+
+
+FOLDED = {
+    **LAYERS,
+    "linear": lambda: nn.Linear(4, 3),
+    "linear-sequence": lambda: nn.Linear(4, 3),
+}
+FOLDED_INPUTS = {**INPUTS, "linear": (5, 4), "linear-sequence": (5, 3, 4)}
+
+
+@pytest.mark.parametrize("kind", list(FOLDED))
+def test_folded_and_linear_squares_of_the_sweep(kind):
+    """A folded bias is the last input column: `SumGradSquared` gives the squares of the
+    gradients of `[W | b]` in `Q_G ⊗ Q_Ã`, split into the weight's and the bias's shapes; Linear
+    layers take the same mechanism (one product on `[N, in]`, per-sample gradients or Grams on
+    sequences); `.grad` stays autograd's."""
+    torch.manual_seed(0)
+    layer = FOLDED[kind]().double()
+    x = torch.randn(*FOLDED_INPUTS[kind], dtype=torch.float64)
+    g = torch.randn_like(layer(x))
+    grads = folded_grads(layer, x, g)
+    q_out, q_in = orthogonal(grads.shape[1]), orthogonal(grads.shape[2])
+    expected = (q_out.T @ grads @ q_in).square().sum(0)
+    (plain_w, plain_b) = torch.autograd.grad(layer(x), [layer.weight, layer.bias], g)
+    extend(layer)
+    with eigen_rules({layer: EigenState(q_out, q_in, None, fold=True)}):
+        with backpack(SumGradSquared()):
+            (layer(x) * g).sum().backward()
+    rows = expected.shape[0]
+    weight = layer.weight.sum_grad_squared.reshape(rows, -1)
+    folded = torch.cat([weight, layer.bias.sum_grad_squared[:, None]], 1)
+    torch.testing.assert_close(folded, expected)
+    torch.testing.assert_close(layer.weight.grad, plain_w)
+    torch.testing.assert_close(layer.bias.grad, plain_b)
+
+
+@pytest.mark.parametrize("way", ["gradients", "gram"])
+def test_linear_sequence_squares_both_ways(way):
+    """On sequences the Linear squares come from per-sample gradients or from Gram matrices over
+    positions: both equal the brute-force squares, with column weights."""
+    torch.manual_seed(1)
+    x = torch.randn(4, 3, 5, dtype=torch.float64)
+    f = torch.randn(6, 4, 3, 2, dtype=torch.float64)
+    coef = torch.rand(6, 4, dtype=torch.float64)
+    state = EigenState(orthogonal(2), orthogonal(5))
+    grads = torch.einsum("vnto,nti->vnoi", f, x)
+    expected = (state.q_out.T @ grads @ state.q_in).square()
+    expected = (expected * coef[:, :, None, None]).sum((0, 1))
+    torch.testing.assert_close(_eigen.linear_squares(x, f, coef, state, way), expected)

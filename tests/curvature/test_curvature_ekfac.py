@@ -161,29 +161,31 @@ class FunctionalHead(nn.Module):
 
 
 @pytest.mark.parametrize("fisher", ["type-2", "empirical"])
-def test_linear_weights_take_the_rotated_diagonal_unless_that_changes_the_function(
+def test_linear_weights_take_the_eigenbasis_diagonal_unless_used_outside_their_call(
     fisher, monkeypatch
 ):
-    """Linear weights get their corrected eigenvalues from a diagonal of the rotated weight (no
-    per-sample rows); a weight used outside its module's call falls back to the rows."""
+    """Linear weights get their corrected eigenvalues as a diagonal in their eigenbasis (no
+    per-sample rows, the same lent-rule sweep as convolutions); a weight also used outside its
+    module's call takes the rows, the other layers still the sweep."""
     import backpack.curvature.ekfac as ekfac_module
 
-    calls = []
-    original = ekfac_module.accumulate
+    swept = []
+    original = ekfac_module.eigen_rules
     monkeypatch.setattr(
-        ekfac_module, "accumulate", lambda *a, **k: calls.append(1) or original(*a, **k)
+        ekfac_module, "eigen_rules", lambda targets: swept.append(set(targets)) or original(targets)
     )
     torch.manual_seed(0)
     X, y = torch.randn(7, 3, dtype=torch.float64), torch.randint(0, 3, (7,))
     data = [(X[:4], y[:4]), (X[4:], y[4:])]
-    for make, rotated in ((FunctionalHead, False), (Mixed, True)):
+    for make in (FunctionalHead, Mixed):
         torch.manual_seed(1)
         model = make().double()
         inputs = (torch.randint(0, 3, (7, 1)), y) if make is Mixed else (X, y)
         batches = [(inputs[0][:4], y[:4]), (inputs[0][4:], y[4:])] if make is Mixed else data
-        calls.clear()
+        swept.clear()
         op = EKFAC(model, nn.CrossEntropyLoss(), batches, fisher_type=fisher)
-        assert bool(calls) == rotated
+        expected = {model.body} if make is FunctionalHead else {model.up, model.conv, model.lin}
+        assert swept == [expected]
         problem = Problem("p", make, lambda r: nn.CrossEntropyLoss(reduction=r), *inputs)
         ref = Reference(problem, model, "mean")
         kfac = KFAC(model, nn.CrossEntropyLoss(), batches, fisher_type=fisher)
@@ -231,7 +233,7 @@ def test_rotated_fit_leaves_the_model_as_it_was(fisher, name):
     EKFAC(model, problem.make_loss("mean"), problem.batches(SIZES), fisher_type=fisher)
     assert list(model.parameters()) == params
     assert [type(m) for m in model.modules()] == classes
-    assert not any("_ekfac_bases" in m.__dict__ for m in model.modules())
+    assert not any("_backpack_lent_state" in m.__dict__ for m in model.modules())
     for p in params:
         assert p.requires_grad and torch.equal(p.grad, torch.full_like(p, 3.0))
         assert not hasattr(p, "diag_ggn_exact") and not hasattr(p, "sum_grad_squared")
@@ -282,7 +284,7 @@ def rows_path(monkeypatch, build):
     import backpack.curvature.ekfac as ekfac_module
 
     with monkeypatch.context() as m:
-        m.setattr(ekfac_module, "_conv_targets", lambda *args: {})
+        m.setattr(ekfac_module, "_eigen_targets", lambda *args: {})
         return build()
 
 
@@ -291,7 +293,7 @@ def rows_path(monkeypatch, build):
 def test_conv_eigenvalues_without_rows_match_the_rows(kind, fisher, monkeypatch):
     """Convolutions' corrected eigenvalues from rotated factors (each way of rotating, both
     factor conventions) equal the rotated rows' (float64), and need no rows sweep."""
-    import backpack.curvature._conv_eigen as conv_eigen
+    import backpack.curvature._eigen as conv_eigen
     import backpack.curvature.ekfac as ekfac_module
 
     torch.manual_seed(0)
