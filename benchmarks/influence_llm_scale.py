@@ -168,9 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=None)
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument(
-        "--without-kronfluence", action="store_true", help="only backpack's rows"
-    )
+    parser.add_argument("--without-kronfluence", action="store_true", help="only backpack's rows")
     args = parser.parse_args(argv)
     cfg = dict(TINY if args.tiny else FULL)
     cfg.update(
