@@ -18,6 +18,8 @@ The strategy approximates `F` (block diagonal over the parameters except "identi
 
 from __future__ import annotations
 
+import itertools
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -39,6 +41,7 @@ from backpack.curvature._rows import row_batches
 from backpack.curvature._sweep import Sweep
 from backpack.curvature.ekfac import EKFAC, EigenBlock, kfac_eigenblocks
 from backpack.curvature.kfac import KFAC
+from backpack.influence._lowrank import LowRank, compress, concat
 from backpack.influence._sites import (
     CHUNK_ENTRIES,
     Site,
@@ -49,6 +52,7 @@ from backpack.influence._sites import (
     site_batches,
     square_sum,
 )
+from backpack.influence._store import ScoreChunks, batch_digest, read_scores, tensor_hash
 
 __all__ = ["Influence", "fit", "load", "STRATEGIES"]
 
@@ -299,13 +303,15 @@ class Influence:
         return block.scatter(out)
 
     def _query(
-        self, query_data: Iterable, progress: bool, factored: bool
-    ) -> tuple[dict[str, Tensor], int, dict[str, Site | None]]:
+        self, query_data: Iterable, progress: bool, factored: bool, rank: int | None = None
+    ) -> tuple[dict[str, Tensor | LowRank], int, dict[str, Site | None]]:
         """Preconditioned query gradients `{name: [Q, numel]}`, Q, and the ghost factors.
 
         The factors (for "identity" only) are those of single-call Linear-like parameters.
+        `rank`: matrix parameters' gradients truncated to that rank, batch by batch (`LowRank`).
         """
-        pieces: dict[str, list[Tensor]] = {}
+        shapes = {name: tuple(p.shape) for name, p in self.sweep.trainable()}
+        pieces: dict[str, list[Tensor | LowRank]] = {}
         factors: dict[str, list[Site] | None] = {}
         for _, sites in self._sites(query_data, progress, False, factored, "query gradients"):
             if self.blocks is None:  # identity
@@ -316,6 +322,9 @@ class Influence:
                 for block in self.blocks:
                     for name, value in self._precondition_sites(sites, block).items():
                         pieces.setdefault(name, []).append(value)
+            if rank is not None:  # this batch's rows at rank `rank`, before the next batch
+                for name, values in pieces.items():
+                    values[-1] = compress(values[-1], shapes[name], rank)
             for name, value in sites.items():
                 keep = self.strategy == "identity" and len(value) == 1 and value[0].kind == "outer"
                 if not keep:
@@ -326,11 +335,12 @@ class Influence:
         merged = {}
         for name in list(pieces):  # one parameter's copy at a time
             values = pieces.pop(name)
-            merged[name] = values[0] if len(values) == 1 else torch.cat(values)
+            merged[name] = concat(values)
             del values
         ghost: dict[str, Site | None] = {}
         for name, value in factors.items():
             same = value is not None and len({s.positions for s in value}) == 1
+            same = same and not isinstance(merged[name], LowRank)
             ghost[name] = (
                 Site(
                     "outer",
@@ -341,7 +351,9 @@ class Influence:
                 if same
                 else None
             )
-        return merged, next(iter(merged.values())).shape[0], ghost
+        first = next(iter(merged.values()))
+        n_query = first.num_queries if isinstance(first, LowRank) else first.shape[0]
+        return merged, n_query, ghost
 
     # --- scores ------------------------------------------------------------------------------
     def scores(
@@ -352,15 +364,21 @@ class Influence:
         per_token: bool = False,
         factored: bool = True,
         gather: bool = False,
-    ) -> Tensor:
+        query_rank: int | None = None,
+        per_module: bool = False,
+        out_dir: Any = None,
+        chunk_size: int = 16,
+        dtype: torch.dtype | None = None,
+    ) -> Tensor | dict[str, Tensor]:
         """`[n_query, n_train]` influence scores `∇ℓ_qᵀ (F + λI)⁻¹ ∇ℓ_t`.
 
-        The preconditioned query gradients are kept (`[n_query, P]`); the training data are
-        swept once, batch by batch (at most one batch's gradients at a time). For Linear-like
-        layers (`nn.Linear`, Hugging Face's `Conv1D`) the products with a training batch are
-        taken in the cheapest of three forms, by a count of multiply-adds per layer and batch
-        (`_sites.pair_costs`): from the per-sample gradients, factored (`Σ_t b_tᵀ M_q a_t`,
-        never forming them) or, for "identity", from Gram matrices of both sides' factors.
+        The preconditioned query gradients are kept (`[n_query, P]`, or at rank `query_rank`);
+        the training data are swept once, batch by batch (at most one batch's gradients at a
+        time). For Linear-like layers (`nn.Linear`, Hugging Face's `Conv1D`) the products with
+        a training batch are taken in the cheapest of three forms, by a count of multiply-adds
+        per layer and batch (`_sites.pair_costs`): from the per-sample gradients, factored
+        (`Σ_t b_tᵀ M_q a_t`, never forming them) or, for "identity", from Gram matrices of
+        both sides' factors.
 
         Args:
             query_data: `(X, y)` batches of the query examples.
@@ -380,60 +398,246 @@ class Influence:
             gather: Under torch.distributed, where `train_data` is this rank's shard: every
                 rank returns the whole matrix, the ranks' columns in rank order (a collective
                 call). Without torch.distributed (or one process), the local scores.
+            query_rank: Keep each query's preconditioned gradient of every matrix parameter
+                (a weight `m × k`; a convolution's `C_out × C_in·prod(kernel)`) as its best
+                rank-r approximation (truncated SVD), computed once per query batch; products
+                with training gradients then use the factors (`Q N T r (m + k)` per Linear-like
+                layer and batch). Biases and other one-axis parameters stay exact (kronfluence's
+                `query_gradient_low_rank`; see `query_rank_error` for what it costs).
+            per_module: Return `{module name: scores}`, the part of the scores from each
+                module's own parameters (they sum to the scores).
+            out_dir: Write the scores to this folder as they are computed, one plain tensor
+                file per `chunk_size` training batches, with a manifest; a rerun with the same
+                model, fit, queries and options resumes after the finished chunks (their
+                batches are drawn from `train_data` but not run through the model) and other
+                inputs are refused. Returns the whole result read back (`read_scores`).
+            chunk_size: Training batches per chunk file (with `out_dir`).
+            dtype: The dtype the scores are returned and stored in (computed in the
+                parameters'); None: the parameters'.
 
         Raises:
-            ValueError: For `per_token` on a model or data it does not apply to.
+            ValueError: For `per_token` on a model or data it does not apply to, a
+                `query_rank` below 1, or an `out_dir` holding other inputs' scores.
         """
+        if query_rank is not None and (int(query_rank) != query_rank or query_rank < 1):
+            raise ValueError(f"query_rank must be a positive integer, got {query_rank}.")
         if gather:
+            if out_dir is not None or per_module:
+                raise ValueError(
+                    "gather=True takes neither out_dir nor per_module: write each rank's columns "
+                    "to its own out_dir, or gather the total scores."
+                )
             return _gathered(
-                lambda: self.scores(query_data, train_data, progress, per_token, factored),
+                lambda: self.scores(
+                    query_data,
+                    train_data,
+                    progress,
+                    per_token,
+                    factored,
+                    query_rank=query_rank,
+                    dtype=dtype,
+                ),
                 1,
                 "influence.scores(..., gather=True)",
             )
-        query, n_query, ghost = self._query(query_data, progress, factored)
+        query, n_query, ghost = self._query(query_data, progress, factored, query_rank)
+        if out_dir is not None:
+            options = {
+                "per_token": per_token,
+                "per_module": per_module,
+                "query_rank": query_rank,
+                "dtype": str(dtype),
+                "n_query": n_query,
+            }
+            return self._scores_to_disk(
+                query,
+                n_query,
+                ghost,
+                train_data,
+                progress,
+                per_token,
+                factored,
+                per_module,
+                out_dir,
+                chunk_size,
+                dtype,
+                options,
+            )
         columns = []
-        length = None
+        length: list[int | None] = [None]
         for _, sites in self._sites(train_data, progress, per_token, factored, "gradients"):
-            total: Tensor | float = 0.0
-            for name, value in sites.items():
-                M = query[name]
-                if per_token:
-                    for site in value:
-                        if site.kind == "sample":
-                            raise ValueError(
-                                f"per_token=True: {name} has no terms per position (its module "
-                                "was not called as a layer of its own). Freeze it or use "
-                                "per_token=False."
-                            )
-                        if length is None:
-                            length = site.positions
-                        if site.positions != length:
-                            raise ValueError(
-                                f"per_token=True needs one sequence length T in every layer and "
-                                f"batch; {name} has {site.positions} positions, others "
-                                f"{length}. Pad the sequences (ignored targets) to one length "
-                                "(a convolution's positions are its output positions: keep "
-                                "its output as long as the sequence, e.g. stride 1 and "
-                                "causal or 'same' padding)."
-                            )
-                        total = total + site.token_products(M.reshape(n_query, *site.shape))
-                    continue
-                if len(value) == 1 and value[0].kind == "outer":
-                    site = value[0]
-                    q_site = ghost.get(name)
-                    how = choose(site, n_query, q_site.positions if q_site is not None else None)
-                    if how == "ghost":
-                        total = total + site.ghost_products(q_site)
-                        continue
-                    if how == "factored":
-                        total = total + site.token_products(M.reshape(n_query, *site.shape)).sum(-1)
-                        continue
-                total = total + M @ dense(value).flatten(1).T
-            columns.append(total)
+            columns.append(
+                self._batch_scores(query, n_query, ghost, sites, per_token, per_module, length)
+            )
             del sites
-        if not columns:
-            return torch.zeros(n_query, 0)
-        return torch.cat(columns, dim=1)
+        return _joined(columns, n_query, per_module, dtype)
+
+    def _batch_scores(
+        self,
+        query: Mapping[str, Tensor | LowRank],
+        n_query: int,
+        ghost: Mapping[str, Site | None],
+        sites: Mapping[str, list[Site]],
+        per_token: bool,
+        per_module: bool,
+        length: list[int | None],
+    ) -> dict[str, Tensor]:
+        """One training batch's scores, `{module name: ...}` (per_module) or `{"": ...}`.
+
+        `length`: the positions T seen so far (per_token), updated in place.
+        """
+        totals: dict[str, Tensor] = {}
+        for name, value in sites.items():
+            M = query[name]
+            if per_token:
+                for site in value:
+                    if site.kind == "sample":
+                        raise ValueError(
+                            f"per_token=True: {name} has no terms per position (its module "
+                            "was not called as a layer of its own). Freeze it or use "
+                            "per_token=False."
+                        )
+                    if length[0] is None:
+                        length[0] = site.positions
+                    if site.positions != length[0]:
+                        raise ValueError(
+                            f"per_token=True needs one sequence length T in every layer and "
+                            f"batch; {name} has {site.positions} positions, others "
+                            f"{length[0]}. Pad the sequences (ignored targets) to one length "
+                            "(a convolution's positions are its output positions: keep "
+                            "its output as long as the sequence, e.g. stride 1 and "
+                            "causal or 'same' padding)."
+                        )
+            if isinstance(M, LowRank):
+                part = M.products(value, per_token)
+            elif per_token:
+                part = sum(site.token_products(M.reshape(n_query, *site.shape)) for site in value)
+            else:
+                part = self._pair_products(name, value, M, n_query, ghost)
+            key = name.rpartition(".")[0] if per_module else ""
+            totals[key] = part if key not in totals else totals[key] + part
+        return totals
+
+    @staticmethod
+    def _pair_products(
+        name: str, value: list[Site], M: Tensor, n_query: int, ghost: Mapping[str, Site | None]
+    ) -> Tensor:
+        """`[Q, N]` products of a parameter's full query rows with its training sites."""
+        if len(value) == 1 and value[0].kind == "outer":
+            site = value[0]
+            q_site = ghost.get(name)
+            how = choose(site, n_query, q_site.positions if q_site is not None else None)
+            if how == "ghost":
+                return site.ghost_products(q_site)
+            if how == "factored":
+                return site.token_products(M.reshape(n_query, *site.shape)).sum(-1)
+        return M @ dense(value).flatten(1).T
+
+    def _scores_to_disk(
+        self,
+        query: Mapping[str, Tensor | LowRank],
+        n_query: int,
+        ghost: Mapping[str, Site | None],
+        train_data: Iterable,
+        progress: bool,
+        per_token: bool,
+        factored: bool,
+        per_module: bool,
+        out_dir: Any,
+        chunk_size: int,
+        dtype: torch.dtype | None,
+        options: Mapping[str, Any],
+    ) -> Tensor | dict[str, Tensor]:
+        """`scores` written chunk by chunk to `out_dir` (resumed where a manifest is there)."""
+        key = tensor_hash(
+            _FORMAT,
+            self.strategy,
+            self.damping,
+            self.info,
+            [b.state() for b in self.blocks] if self.blocks is not None else None,
+            self.model.state_dict(),
+            dict(query),
+            dict(options),
+        )
+        store = ScoreChunks(out_dir, key, chunk_size, options)
+        if store.manifest["complete"]:
+            return read_scores(out_dir)
+        chunk_size = store.chunk_size
+        waiting: deque[tuple[int, str]] = deque()
+        seen = [0]
+
+        def pending() -> Iterator[Any]:
+            """The batches of unfinished chunks; those of finished ones are checked, skipped."""
+            skipped: tuple[int, list[str]] | None = None
+            for i, batch in enumerate(train_data):
+                chunk = i // chunk_size
+                if skipped is not None and skipped[0] != chunk:
+                    store.check(*skipped)
+                    skipped = None
+                seen[0] = i + 1
+                digest_of = batch_digest(batch)
+                if store.done(chunk):
+                    skipped = skipped or (chunk, [])
+                    skipped[1].append(digest_of)
+                    continue
+                waiting.append((i, digest_of))
+                yield batch
+            if skipped is not None:
+                store.check(*skipped)
+
+        batches = pending()
+        first = next(batches, None)
+        if first is not None:
+            buffer: list[dict[str, Tensor]] = []
+            digests: list[str] = []
+            length: list[int | None] = [None]
+            chunk = 0
+            data = itertools.chain([first], batches)
+            for _, sites in self._sites(data, progress, per_token, factored, "gradients"):
+                i, digest_of = waiting.popleft()
+                chunk = i // chunk_size
+                buffer.append(
+                    self._batch_scores(query, n_query, ghost, sites, per_token, per_module, length)
+                )
+                digests.append(digest_of)
+                del sites
+                if len(buffer) == chunk_size:
+                    store.write(chunk, _joined(buffer, n_query, per_module, dtype), digests)
+                    buffer, digests = [], []
+            if buffer:
+                store.write(chunk, _joined(buffer, n_query, per_module, dtype), digests)
+        store.finish(seen[0])
+        return read_scores(out_dir)
+
+    def query_rank_error(
+        self,
+        query_data: Iterable,
+        train_data: Iterable,
+        ranks: Iterable[int],
+        progress: bool = False,
+    ) -> dict[int, float]:
+        """`{r: ‖S_r − S‖_F / ‖S‖_F}`: what `scores(..., query_rank=r)` costs on these data.
+
+        `S` are the full scores, `S_r` those of the rank-r query gradients, all from one sweep
+        over `train_data` (a sample of the training set is enough to choose r).
+        """
+        full, n_query, ghost = self._query(query_data, progress, True)
+        shapes = {name: tuple(p.shape) for name, p in self.sweep.trainable()}
+        ranks = sorted({int(r) for r in ranks})
+        if not ranks or ranks[0] < 1:
+            raise ValueError(f"ranks must be positive integers, got {ranks}.")
+        low = {r: {n: compress(v, shapes[n], r) for n, v in full.items()} for r in ranks}
+        errors = dict.fromkeys(ranks, 0.0)
+        norm = 0.0
+        length: list[int | None] = [None]
+        for _, sites in self._sites(train_data, progress, False, True, "gradients"):
+            exact = self._batch_scores(full, n_query, ghost, sites, False, False, length)[""]
+            norm += float(exact.double().square().sum())
+            for r in ranks:
+                approx = self._batch_scores(low[r], n_query, {}, sites, False, False, length)[""]
+                errors[r] += float((approx - exact).double().square().sum())
+            del sites
+        return {r: (errors[r] / norm) ** 0.5 if norm > 0 else 0.0 for r in ranks}
 
     def self_scores(
         self,
@@ -707,6 +911,19 @@ def load(
 ) -> Influence:
     """`Influence.load`: a fit saved with `Influence.save`, for `model` and `lossfunc`."""
     return Influence.load(path, model, lossfunc, normaliser, num_samples)
+
+
+def _joined(
+    columns: list[dict[str, Tensor]], n_query: int, per_module: bool, dtype: torch.dtype | None
+) -> Tensor | dict[str, Tensor]:
+    """The batches' scores side by side (per module, or the total), in `dtype`."""
+    if not columns:
+        return torch.zeros(n_query, 0, dtype=dtype)
+    out = {
+        key: torch.cat([c[key] for c in columns], dim=1).to(dtype or columns[0][key].dtype)
+        for key in columns[0]
+    }
+    return out if per_module else out[""]
 
 
 def _gathered(local: Callable[[], Tensor], dim: int, what: str) -> Tensor:
