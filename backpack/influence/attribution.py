@@ -52,9 +52,20 @@ from backpack.influence._sites import (
     site_batches,
     square_sum,
 )
-from backpack.influence._store import ScoreChunks, batch_digest, read_scores, tensor_hash
+from backpack.influence._store import (
+    ScoreChunks,
+    batch_digest,
+    cast_floats,
+    is_block_folder,
+    load_block_state,
+    load_block_states,
+    load_head,
+    read_scores,
+    save_blocks,
+    tensor_hash,
+)
 
-__all__ = ["Influence", "fit", "load", "STRATEGIES"]
+__all__ = ["Influence", "fit", "load", "load_block", "read_scores", "STRATEGIES"]
 
 STRATEGIES = ("identity", "diagonal", "kfac", "ekfac")
 #: the operators' `fisher_type` of each `fisher`
@@ -688,9 +699,49 @@ class Influence:
             "info": self.info,
         }
 
-    def save(self, path: Any) -> None:
-        """`torch.save` the fit (plain tensors: `load` reads it with `weights_only=True`)."""
-        torch.save(self.state(), path)
+    def save(self, path: Any, dtype: torch.dtype | None = None, per_module: bool = False) -> None:
+        """`torch.save` the fit (plain tensors: `load` reads it with `weights_only=True`).
+
+        Args:
+            path: The file, or with `per_module=True` the folder.
+            dtype: Store the eigenvectors and eigenvalues in this dtype (e.g. `torch.bfloat16`
+                to halve them; `load` casts them back to the parameters' dtype); None: as they
+                are (the parameters' dtype).
+            per_module: Write a folder with `fit.pt` and one file per block (a parameter, or a
+                layer with a folded bias) under `blocks/`, each loadable on its own
+                (`load_block`).
+        """
+        state = self.state()
+        if dtype is not None:
+            self._check_storable(dtype)
+            state["blocks"] = cast_floats(state["blocks"], dtype)
+        if per_module:
+            save_blocks(path, state)
+        else:
+            torch.save(state, path)
+
+    def _check_storable(self, dtype: torch.dtype) -> None:
+        """Refuse a storage dtype that changes a block's `1 / (values + λ)` beyond its rounding.
+
+        Rounding to `dtype` changes each eigenvalue by at most half its unit in the last place,
+        so the damped inverse by less than `eps(dtype)` relative: more (an eigenvalue that
+        overflows, or underflows while it still matters next to λ: float16's narrow range) is
+        refused. Eigenvectors (entries of at most 1 in magnitude) only round.
+        """
+        if self.blocks is None:
+            return
+        eps = torch.finfo(dtype).eps
+        for b in self.blocks:
+            rounded = EigenBlock(b.name, b.shape, [], b.values.to(dtype).to(b.values), False)
+            rounded.bias = b.bias
+            before, after = self._scale(b), self._scale(rounded)
+            error = float(((after - before).abs() / before.abs().clamp_min(1e-300)).max())
+            if not error <= eps:
+                raise ValueError(
+                    f"Storing the fit in {dtype} changes block {b.name}'s damped inverse by "
+                    f"{error:.2g} relative (its eigenvalues leave {dtype}'s range); store it in "
+                    "torch.bfloat16 (float32's range) or float32."
+                )
 
     @classmethod
     def load(
@@ -701,16 +752,23 @@ class Influence:
         normaliser: Normaliser | None = None,
         num_samples: Callable[[Any], int] | None = None,
     ) -> Influence:
-        """A fit saved with `save`, for `model` (same trainable parameters) and `lossfunc`.
+        """A fit saved with `save` (a file or a per-module folder), for `model` and `lossfunc`.
+
+        The model must have the fit's trainable parameters; stored tensors are cast to the
+        dtype of its parameters.
 
         Raises:
             ValueError: For another format, or parameters that differ from the fit's.
         """
-        device = next(p.device for _, p in trainable(model))
-        state = torch.load(path, map_location=device, weights_only=True)
+        device, dtype = next((p.device, p.dtype) for _, p in trainable(model))
+        if is_block_folder(path):
+            state = load_head(path, device)
+            state["blocks"] = load_block_states(path, device)
+        else:
+            state = torch.load(path, map_location=device, weights_only=True)
         if not isinstance(state, dict) or state.get("format") != _FORMAT:
             raise ValueError(f"{path} does not hold an influence fit (format {_FORMAT}).")
-        blocks = state["blocks"]
+        blocks = cast_floats(state["blocks"], dtype)  # stored in another dtype: the model's
         return cls(
             model,
             lossfunc,
@@ -919,11 +977,26 @@ def _joined(
     """The batches' scores side by side (per module, or the total), in `dtype`."""
     if not columns:
         return torch.zeros(n_query, 0, dtype=dtype)
-    out = {
-        key: torch.cat([c[key] for c in columns], dim=1).to(dtype or columns[0][key].dtype)
-        for key in columns[0]
-    }
+    out = {}
+    for key in columns[0]:
+        value = torch.cat([c[key] for c in columns], dim=1)
+        stored = value.to(dtype or value.dtype)
+        if not torch.equal(stored.isfinite(), value.isfinite()):
+            raise ValueError(
+                f"Scores of magnitude up to {float(value.abs().max()):.3g} overflow {dtype}; "
+                "use dtype=torch.bfloat16 (float32's range) or float32."
+            )
+        out[key] = stored
     return out if per_module else out[""]
+
+
+def load_block(path: Any, name: str, dtype: torch.dtype | None = None) -> EigenBlock:
+    """One block of a fit saved with `save(path, per_module=True)`, by its name, on the CPU.
+
+    `name`: the block's parameter name (the weight's for a folded bias); `dtype`: cast to it
+    (None: as stored).
+    """
+    return EigenBlock.from_state(cast_floats(load_block_state(path, name), dtype))
 
 
 def _gathered(local: Callable[[], Tensor], dim: int, what: str) -> Tensor:
