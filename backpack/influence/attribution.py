@@ -19,6 +19,7 @@ The strategy approximates `F` (block diagonal over the parameters except "identi
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -714,7 +715,7 @@ class Influence:
         state = self.state()
         if dtype is not None:
             self._check_storable(dtype)
-            state["blocks"] = cast_floats(state["blocks"], dtype)
+            state["blocks"] = [_stored(b, dtype) for b in state["blocks"] or []] or None
         if per_module:
             save_blocks(path, state)
         else:
@@ -723,16 +724,19 @@ class Influence:
     def _check_storable(self, dtype: torch.dtype) -> None:
         """Refuse a storage dtype that changes a block's `1 / (values + λ)` beyond its rounding.
 
-        Rounding to `dtype` changes each eigenvalue by at most half its unit in the last place,
-        so the damped inverse by less than `eps(dtype)` relative: more (an eigenvalue that
-        overflows, or underflows while it still matters next to λ: float16's narrow range) is
-        refused. Eigenvectors (entries of at most 1 in magnitude) only round.
+        The eigenvalues are stored divided by a power of two near their largest (`_stored`).
+        Rounding to `dtype` changes each by at most half its unit in the last place, so the
+        damped inverse by less than `eps(dtype)` relative: more (an eigenvalue that underflows
+        while it still matters next to λ: float16's narrow range) is refused. Eigenvectors
+        (entries of at most 1 in magnitude) only round.
         """
         if self.blocks is None:
             return
         eps = torch.finfo(dtype).eps
         for b in self.blocks:
-            rounded = EigenBlock(b.name, b.shape, [], b.values.to(dtype).to(b.values), False)
+            scale = _power_of_two(b.values)
+            values = (b.values / scale).to(dtype).to(b.values) * scale
+            rounded = EigenBlock(b.name, b.shape, [], values, False)
             rounded.bias = b.bias
             before, after = self._scale(b), self._scale(rounded)
             error = float(((after - before).abs() / before.abs().clamp_min(1e-300)).max())
@@ -768,7 +772,9 @@ class Influence:
             state = torch.load(path, map_location=device, weights_only=True)
         if not isinstance(state, dict) or state.get("format") != _FORMAT:
             raise ValueError(f"{path} does not hold an influence fit (format {_FORMAT}).")
-        blocks = cast_floats(state["blocks"], dtype)  # stored in another dtype: the model's
+        blocks = state["blocks"]
+        if blocks is not None:  # stored in another dtype: the model's
+            blocks = [_restored(b, dtype) for b in blocks]
         return cls(
             model,
             lossfunc,
@@ -994,9 +1000,40 @@ def load_block(path: Any, name: str, dtype: torch.dtype | None = None) -> EigenB
     """One block of a fit saved with `save(path, per_module=True)`, by its name, on the CPU.
 
     `name`: the block's parameter name (the weight's for a folded bias); `dtype`: cast to it
-    (None: as stored).
+    (None: as stored, float32 for a half-precision file).
     """
-    return EigenBlock.from_state(cast_floats(load_block_state(path, name), dtype))
+    state = load_block_state(path, name)
+    if dtype is None:
+        dtype = state["values"].dtype
+        dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    return EigenBlock.from_state(_restored(state, dtype))
+
+
+def _power_of_two(values: Tensor) -> float:
+    """A power of two near `max |values|` (1 for zeros): dividing by it is exact."""
+    top = float(values.abs().max()) if values.numel() else 0.0
+    return 2.0 ** round(math.log2(top)) if top > 0 and math.isfinite(top) else 1.0
+
+
+def _stored(block: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """A block's state in `dtype`, its eigenvalues divided by `values_scale` (a power of two).
+
+    float16's range is narrow (6e-8 to 65504): eigenvalues of a Fisher (often ~1e-6 and below)
+    would underflow unscaled.
+    """
+    scale = _power_of_two(block["values"])
+    out = cast_floats({**block, "values": block["values"] / scale}, dtype)
+    out["values_scale"] = scale
+    return out
+
+
+def _restored(block: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """Inverse of `_stored` (any block state), the tensors in `dtype`."""
+    out = cast_floats(dict(block), dtype)
+    scale = out.pop("values_scale", None)
+    if scale is not None:
+        out["values"] = out["values"] * scale
+    return out
 
 
 def _gathered(local: Callable[[], Tensor], dim: int, what: str) -> Tensor:
