@@ -19,13 +19,14 @@ chunk and the ordinary products are taken.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from backpack.influence._sites import CHUNK_ENTRIES, Site, dense
 
-__all__ = ["LowRank", "compress", "concat"]
+__all__ = ["LowRank", "compress", "concat", "fisher_weights"]
 
 
 class LowRank:
@@ -122,8 +123,18 @@ def _fits(site: Site, shape: tuple) -> bool:
     )
 
 
-def compress(value: Tensor, shape: tuple, rank: int) -> Tensor | LowRank:
+#: the smallest eigenvalue of a weighting factor, relative to its largest
+WEIGHT_FLOOR = 1e-6
+
+
+def compress(
+    value: Tensor, shape: tuple, rank: int, weights: Weights | None = None
+) -> Tensor | LowRank:
     """Truncate the rows `[Q, numel]` of a parameter of `shape` to rank `rank` (or keep them).
+
+    Without `weights`, the best rank-r matrix in the Frobenius norm (truncated SVD). With
+    `weights` `(L, L⁻¹, R, R⁻¹)` (symmetric positive definite, `m × m` and `k × k`), the best
+    in the weighted norm `‖L (M − M_r) R‖_F`: `M_r = L⁻¹ [L M R]_r R⁻¹`.
 
     One-axis parameters and matrices whose smaller side is at most `rank` are returned as they
     are (exact). The SVD runs in float32 for half-precision inputs; the factors come back in the
@@ -138,10 +149,65 @@ def compress(value: Tensor, shape: tuple, rank: int) -> Tensor | LowRank:
     work = value.reshape(q, m, k)
     if work.dtype in (torch.float16, torch.bfloat16):
         work = work.float()
+    if weights is not None:
+        L, L_inv, R, R_inv = (w.to(work) for w in weights)
+        work = L @ work @ R
     U, S, Vh = torch.linalg.svd(work, full_matrices=False)
-    left = U[..., :rank].contiguous()
-    right = (Vh[:, :rank, :].transpose(1, 2) * S[:, None, :rank]).contiguous()
-    return LowRank(shape, left.to(value.dtype), right.to(value.dtype))
+    left = U[..., :rank]
+    right = Vh[:, :rank, :].transpose(1, 2) * S[:, None, :rank]
+    if weights is not None:
+        left, right = L_inv @ left, R_inv @ right
+    return LowRank(shape, left.contiguous().to(value.dtype), right.contiguous().to(value.dtype))
+
+
+Weights = tuple[Tensor, Tensor, Tensor, Tensor]
+
+
+def _roots(matrix: Tensor) -> tuple[Tensor, Tensor]:
+    """`X^{1/2}`, `X^{-1/2}` of a symmetric PSD matrix, eigenvalues floored at `WEIGHT_FLOOR`."""
+    values, vectors = torch.linalg.eigh(matrix)
+    top = values.max().clamp_min(torch.finfo(values.dtype).tiny)
+    values = values.clamp_min(top * WEIGHT_FLOOR)
+    return (vectors * values.sqrt()) @ vectors.T, (vectors / values.sqrt()) @ vectors.T
+
+
+def fisher_weights(block: Any, shape: tuple) -> Weights | None:
+    """`(G^{1/2}, G^{-1/2}, A^{1/2}, A^{-1/2})` of a weight's block in its `(m, k)` orientation.
+
+    The training gradients' second moment `F` of the block is approximated by one Kronecker
+    product `G ⊗ A` (for the rows of `(m, k)` and the columns): its eigenvalues `Λ` in the
+    block's basis (`Q_0 ⊗ Q_1`, or the identity of a diagonal block) by their best rank-one
+    fit `u vᵀ` (the top singular pair of `Λ ≥ 0`), so `G = Q_0 diag(u) Q_0ᵀ`,
+    `A = Q_1 diag(v) Q_1ᵀ` (a folded bias's column left out). Since the squared error of the
+    scores over training examples is `Σ_n ⟨Δ, g_n⟩² = N vec(Δ)ᵀ F vec(Δ)`, truncating in the
+    norm `‖G^{1/2} Δ A^{1/2}‖_F` is the best rank r for the scores under that approximation.
+    None where the block has no such structure (a dense eigenbasis, or a transposed block of a
+    parameter with more than two axes).
+    """
+    if len(shape) < 2:
+        return None
+    m, k = shape[0], math.prod(shape[1:])
+    vectors = [q.detach() for q in block.vectors]
+    values = block.values.detach()
+    if len(vectors) == 1 or (block.transposed and len(shape) > 2):
+        return None
+    rows = block.rows
+    own = values.reshape(rows, -1).abs()
+    U, S, Vh = torch.linalg.svd(own, full_matrices=False)
+    u = U[:, 0].abs() * S[0].sqrt()
+    v = Vh[0].abs() * S[0].sqrt()
+    if len(vectors) == 2:
+        G = (vectors[0] * u) @ vectors[0].T
+        A = (vectors[1] * v) @ vectors[1].T
+    else:
+        G, A = torch.diag(u), torch.diag(v)
+    if block.bias is not None:
+        A = A[:-1, :-1]
+    if block.transposed:
+        G, A = A, G
+    if G.shape != (m, m) or A.shape != (k, k):
+        return None
+    return (*_roots(G), *_roots(A))
 
 
 def concat(parts: list[Tensor | LowRank]) -> Tensor | LowRank:

@@ -42,7 +42,7 @@ from backpack.curvature._rows import row_batches
 from backpack.curvature._sweep import Sweep
 from backpack.curvature.ekfac import EKFAC, EigenBlock, kfac_eigenblocks
 from backpack.curvature.kfac import KFAC
-from backpack.influence._lowrank import LowRank, compress, concat
+from backpack.influence._lowrank import LowRank, compress, concat, fisher_weights
 from backpack.influence._sites import (
     CHUNK_ENTRIES,
     Site,
@@ -315,14 +315,21 @@ class Influence:
         return block.scatter(out)
 
     def _query(
-        self, query_data: Iterable, progress: bool, factored: bool, rank: int | None = None
+        self,
+        query_data: Iterable,
+        progress: bool,
+        factored: bool,
+        rank: int | None = None,
+        norm: str = "fisher",
     ) -> tuple[dict[str, Tensor | LowRank], int, dict[str, Site | None]]:
         """Preconditioned query gradients `{name: [Q, numel]}`, Q, and the ghost factors.
 
         The factors (for "identity" only) are those of single-call Linear-like parameters.
-        `rank`: matrix parameters' gradients truncated to that rank, batch by batch (`LowRank`).
+        `rank`: matrix parameters' gradients truncated to that rank in the norm `norm`, batch by
+        batch (`LowRank`).
         """
         shapes = {name: tuple(p.shape) for name, p in self.sweep.trainable()}
+        weights = self._rank_weights(shapes) if rank is not None and norm == "fisher" else {}
         pieces: dict[str, list[Tensor | LowRank]] = {}
         factors: dict[str, list[Site] | None] = {}
         for _, sites in self._sites(query_data, progress, False, factored, "query gradients"):
@@ -336,7 +343,7 @@ class Influence:
                         pieces.setdefault(name, []).append(value)
             if rank is not None:  # this batch's rows at rank `rank`, before the next batch
                 for name, values in pieces.items():
-                    values[-1] = compress(values[-1], shapes[name], rank)
+                    values[-1] = compress(values[-1], shapes[name], rank, weights.get(name))
             for name, value in sites.items():
                 keep = self.strategy == "identity" and len(value) == 1 and value[0].kind == "outer"
                 if not keep:
@@ -367,6 +374,17 @@ class Influence:
         n_query = first.num_queries if isinstance(first, LowRank) else first.shape[0]
         return merged, n_query, ghost
 
+    def _rank_weights(self, shapes: Mapping[str, tuple]) -> dict[str, Any]:
+        """`{weight name: fisher_weights}` of the blocks with Kronecker or diagonal structure."""
+        if self.blocks is None:
+            return {}
+        out = {}
+        for b in self.blocks:
+            found = fisher_weights(b, shapes[b.name])
+            if found is not None:
+                out[b.name] = found
+        return out
+
     # --- scores ------------------------------------------------------------------------------
     def scores(
         self,
@@ -381,6 +399,7 @@ class Influence:
         out_dir: Any = None,
         chunk_size: int = 16,
         dtype: torch.dtype | None = None,
+        query_rank_norm: str = "fisher",
     ) -> Tensor | dict[str, Tensor]:
         """`[n_query, n_train]` influence scores `∇ℓ_qᵀ (F + λI)⁻¹ ∇ℓ_t`.
 
@@ -416,6 +435,12 @@ class Influence:
                 with training gradients then use the factors (`Q N T r (m + k)` per Linear-like
                 layer and batch). Biases and other one-axis parameters stay exact (kronfluence's
                 `query_gradient_low_rank`; see `query_rank_error` for what it costs).
+            query_rank_norm: What "best" rank r means: "fisher" (default) minimises the
+                scores' expected squared error over the training gradients, with their
+                second moment approximated per weight by a Kronecker product `G ⊗ A` from the
+                fit (`‖G^{1/2} (M − M_r) A^{1/2}‖_F`; for "identity", and blocks without
+                Kronecker or diagonal structure, the Frobenius norm); "frobenius" minimises
+                `‖M − M_r‖_F` (a plain truncated SVD, kronfluence's criterion).
             per_module: Return `{module name: scores}`, the part of the scores from each
                 module's own parameters (they sum to the scores).
             out_dir: Write the scores to this folder as they are computed, one plain tensor
@@ -433,6 +458,10 @@ class Influence:
         """
         if query_rank is not None and (int(query_rank) != query_rank or query_rank < 1):
             raise ValueError(f"query_rank must be a positive integer, got {query_rank}.")
+        if query_rank_norm not in ("fisher", "frobenius"):
+            raise ValueError(
+                f"query_rank_norm must be 'fisher' or 'frobenius', got {query_rank_norm!r}."
+            )
         if gather:
             if out_dir is not None or per_module:
                 raise ValueError(
@@ -448,16 +477,20 @@ class Influence:
                     factored,
                     query_rank=query_rank,
                     dtype=dtype,
+                    query_rank_norm=query_rank_norm,
                 ),
                 1,
                 "influence.scores(..., gather=True)",
             )
-        query, n_query, ghost = self._query(query_data, progress, factored, query_rank)
+        query, n_query, ghost = self._query(
+            query_data, progress, factored, query_rank, query_rank_norm
+        )
         if out_dir is not None:
             options = {
                 "per_token": per_token,
                 "per_module": per_module,
                 "query_rank": query_rank,
+                "query_rank_norm": query_rank_norm if query_rank is not None else None,
                 "dtype": str(dtype),
                 "n_query": n_query,
             }
@@ -627,18 +660,28 @@ class Influence:
         train_data: Iterable,
         ranks: Iterable[int],
         progress: bool = False,
+        query_rank_norm: str = "fisher",
     ) -> dict[int, float]:
         """`{r: ‖S_r − S‖_F / ‖S‖_F}`: what `scores(..., query_rank=r)` costs on these data.
 
-        `S` are the full scores, `S_r` those of the rank-r query gradients, all from one sweep
-        over `train_data` (a sample of the training set is enough to choose r).
+        `S` are the full scores, `S_r` those of the rank-r query gradients (truncated in
+        `query_rank_norm`, see `scores`), all from one sweep over `train_data` (a sample of the
+        training set is enough to choose r).
         """
         full, n_query, ghost = self._query(query_data, progress, True)
         shapes = {name: tuple(p.shape) for name, p in self.sweep.trainable()}
         ranks = sorted({int(r) for r in ranks})
         if not ranks or ranks[0] < 1:
             raise ValueError(f"ranks must be positive integers, got {ranks}.")
-        low = {r: {n: compress(v, shapes[n], r) for n, v in full.items()} for r in ranks}
+        if query_rank_norm not in ("fisher", "frobenius"):
+            raise ValueError(
+                f"query_rank_norm must be 'fisher' or 'frobenius', got {query_rank_norm!r}."
+            )
+        weights = self._rank_weights(shapes) if query_rank_norm == "fisher" else {}
+        low = {
+            r: {n: compress(v, shapes[n], r, weights.get(n)) for n, v in full.items()}
+            for r in ranks
+        }
         errors = dict.fromkeys(ranks, 0.0)
         norm = 0.0
         length: list[int | None] = [None]
