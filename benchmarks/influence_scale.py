@@ -12,8 +12,9 @@ layer, as kronfluence's modules).
   rank r against the full ones, for `scores(..., query_rank=r)` (each weight matrix truncated,
   biases exact: in the fit's Kronecker norm of the training gradients, the default
   `query_rank_norm="fisher"`, or by an exact SVD, `"frobenius"`) and for kronfluence's query
-  compression as its documentation describes it (each module's `[W | b]` truncated jointly, with its default randomized
-  `torch.svd_lowrank` and with its `use_full_svd=True`), emulated here with torch.
+  compression as its documentation describes it (each module's `[W | b]` truncated jointly,
+  with its default randomized `torch.svd_lowrank` and with its `use_full_svd=True`), emulated
+  here with torch.
 - **Storage dtypes.** The fit saved in float32, bfloat16 or float16 and loaded back (computed
   in float64 again), and the scores stored in those dtypes: largest deviation relative to the
   largest score.
