@@ -166,6 +166,13 @@ Weights = tuple[Tensor, Tensor, Tensor, Tensor]
 def _roots(matrix: Tensor) -> tuple[Tensor, Tensor]:
     """`X^{1/2}`, `X^{-1/2}` of a symmetric PSD matrix, eigenvalues floored at `WEIGHT_FLOOR`."""
     values, vectors = torch.linalg.eigh(matrix)
+    return _roots_of(vectors, values)
+
+
+def _roots_of(vectors: Tensor | None, values: Tensor) -> tuple[Tensor, Tensor]:
+    """`X^{1/2}`, `X^{-1/2}` of `X = V diag(values) Vᵀ` (V orthonormal; None: the identity)."""
+    if vectors is None:
+        vectors = torch.eye(values.shape[0], dtype=values.dtype, device=values.device)
     top = values.max().clamp_min(torch.finfo(values.dtype).tiny)
     values = values.clamp_min(top * WEIGHT_FLOOR)
     return (vectors * values.sqrt()) @ vectors.T, (vectors / values.sqrt()) @ vectors.T
@@ -196,18 +203,18 @@ def fisher_weights(block: Any, shape: tuple) -> Weights | None:
     U, S, Vh = torch.linalg.svd(own, full_matrices=False)
     u = U[:, 0].abs() * S[0].sqrt()
     v = Vh[0].abs() * S[0].sqrt()
-    if len(vectors) == 2:
-        G = (vectors[0] * u) @ vectors[0].T
-        A = (vectors[1] * v) @ vectors[1].T
-    else:
-        G, A = torch.diag(u), torch.diag(v)
-    if block.bias is not None:
-        A = A[:-1, :-1]
+    Q_0, Q_1 = vectors if len(vectors) == 2 else (None, None)
+    left = _roots_of(Q_0, u)  # in the block's eigenbasis: no eigendecomposition
+    if block.bias is None:
+        right = _roots_of(Q_1, v)
+    else:  # the weight's columns of A: a principal submatrix, decomposed anew
+        A = (Q_1 * v) @ Q_1.T if Q_1 is not None else torch.diag(v)
+        right = _roots(A[:-1, :-1])
     if block.transposed:
-        G, A = A, G
-    if G.shape != (m, m) or A.shape != (k, k):
+        left, right = right, left
+    if left[0].shape != (m, m) or right[0].shape != (k, k):
         return None
-    return (*_roots(G), *_roots(A))
+    return (*left, *right)
 
 
 def concat(parts: list[Tensor | LowRank]) -> Tensor | LowRank:
