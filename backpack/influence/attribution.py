@@ -431,7 +431,7 @@ class Influence:
                 call). Without torch.distributed (or one process), the local scores.
             query_rank: Keep each query's preconditioned gradient of every matrix parameter
                 (a weight `m × k`; a convolution's `C_out × C_in·prod(kernel)`) as its best
-                rank-r approximation (truncated SVD), computed once per query batch; products
+                rank-r approximation (in `query_rank_norm`), computed once per query batch; products
                 with training gradients then use the factors (`Q N T r (m + k)` per Linear-like
                 layer and batch). Biases and other one-axis parameters stay exact (kronfluence's
                 `query_gradient_low_rank`; see `query_rank_error` for what it costs).
