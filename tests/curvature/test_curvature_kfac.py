@@ -171,3 +171,34 @@ def test_kfac_errors():
     op = KFAC(model, lossfunc, problem.batches(SIZES))
     with pytest.raises(ValueError, match="damping"):
         op.inverse(-1.0)
+
+
+def test_float32_factors_are_eigendecomposed_in_float64():
+    """Eigenvectors of float32 factors in float32 cost a small GPT's EK-FAC scores ~3e-4
+    relative (kronfluence, which decomposes in float64: 1e-5); ours decompose in float64 too:
+    the float32 operator's inverse equals the float64 one's to float32's rounding."""
+    torch.manual_seed(0)
+    # a factor with a wide spectrum (inputs of very different scales)
+    model = nn.Sequential(nn.Linear(12, 6), nn.Tanh(), nn.Linear(6, 3))
+    X = torch.randn(64, 12) * torch.logspace(-3, 1, 12)
+    data = [(X, torch.randint(0, 3, (64,)))]
+    seen = []
+    eigh = torch.linalg.eigh
+    v = torch.randn(sum(p.numel() for p in model.parameters()), dtype=torch.float64)
+
+    def spy(matrix, *args, **kwargs):
+        seen.append(matrix.dtype)
+        return eigh(matrix, *args, **kwargs)
+
+    torch.linalg.eigh = spy
+    try:
+        ops = {}
+        for dtype in (torch.float32, torch.float64):
+            m = model.to(dtype)
+            d = [(x.to(dtype), y) for x, y in data]
+            ops[dtype] = KFAC(m, nn.CrossEntropyLoss(), d).inverse(1e-6) @ v.to(dtype)
+    finally:
+        torch.linalg.eigh = eigh
+    assert seen and set(seen) == {torch.float64}
+    err = (ops[torch.float32].double() - ops[torch.float64]).norm() / ops[torch.float64].norm()
+    assert err < 1e-4
