@@ -50,6 +50,8 @@ class Accumulated:
             per-sample rows stay on their rank: this rank's rows of the global data set).
         sharded: The sweep of a model sharded with FSDP2 (`fully_shard`): states and gradient
             are this rank's shards of the data-set quantities (`p.to_local()`'s shape).
+        owners: For a sharded sweep with Kronecker factors: `{parameter name: rank}` holding
+            that parameter's whole factors (the other ranks hold none of them).
     """
 
     reduction: str
@@ -67,6 +69,7 @@ class Accumulated:
     ref_count: int = 1
     ranks: int = 1
     sharded: bool = False
+    owners: dict[str, int] | None = None
 
     @property
     def normaliser(self) -> float:
@@ -86,8 +89,14 @@ class Accumulated:
     def quantity(self, savefield: str) -> dict[str, Any]:
         """`{parameter name: value}` of one extension's quantity of the data-set loss.
 
-        Per-sample quantities streamed to a callback are `None`.
+        Per-sample quantities streamed to a callback are `None`; so are, on a model sharded with
+        FSDP2, the Kronecker factors of the parameters another rank owns (`owners`).
         """
+        values = self._quantity(savefield)
+        return {name: None if _placeholder(v) else v for name, v in values.items()}
+
+    def _quantity(self, savefield: str) -> dict[str, Any]:
+        """`quantity`, with shape-only (meta) factors where another rank owns them."""
         if savefield not in self.kinds:
             raise KeyError(f"No {savefield!r} in this result; it holds {self.savefields}.")
         kind = self.kinds[savefield]
@@ -131,6 +140,10 @@ class Accumulated:
                 f"Cannot merge sweeps over batches of different shapes: {self.signature} and "
                 f"{other.signature}."
             )
+        if self.owners != other.owners:
+            raise ValueError(
+                "Cannot merge FSDP2 sweeps whose Kronecker factors have different owner ranks."
+            )
         ratio, count_ratio = other.ref_scale / self.ref_scale, other.ref_count / self.ref_count
         merged = Accumulated(
             reduction=self.reduction,
@@ -154,6 +167,7 @@ class Accumulated:
             ref_count=self.ref_count,
             ranks=max(self.ranks, other.ranks),
             sharded=self.sharded,
+            owners=self.owners,
         )
         if self.stream_total is not None or other.stream_total is not None:
             streamed = {t for t in (self.stream_total, other.stream_total) if t is not None}
@@ -191,6 +205,13 @@ class Accumulated:
                     setattr(p, f, _like(p, values[f][name], shard))
             if gradient is not None:
                 p.grad = _like(p, gradient[name].detach().clone(), self.sharded)
+
+
+def _placeholder(value: Any) -> bool:
+    """Whether `value` is a list of shape-only (meta) factors another rank owns."""
+    return isinstance(value, list) and any(
+        isinstance(v, Tensor) and v.device.type == "meta" for v in value
+    )
 
 
 def _like(p: Tensor, value: Any, sharded: bool) -> Any:
