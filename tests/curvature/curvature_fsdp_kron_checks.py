@@ -16,7 +16,7 @@ from curvature_distributed_checks import close, fsdp_model, fsdp_shards, own_chu
 from distributed_checks import run_checks
 
 from backpack import distributed
-from backpack.curvature import accumulate
+from backpack.curvature import KFAC, accumulate
 from backpack.extensions import KFAC as KFACExtension
 from backpack.extensions import KFLR, DiagGGNExact
 
@@ -79,11 +79,86 @@ def accumulate_kron_case(name: str, reduction: str, nested: bool):
     return check
 
 
+def _expect_everywhere(run, error, match: str) -> None:
+    try:
+        run()
+    except error as err:
+        assert match in str(err), err
+    else:
+        raise AssertionError(f"not raised: {match}")
+
+
+def kfac_operator_case(name: str, reduction: str, nested: bool, **options):
+    """The KFAC operator on FSDP2: products (vector and matrix), the damped inverse, logdet,
+    trace, diagonal and eigenvalues equal one process's; products of local shards."""
+
+    def check(rank: int, world: int) -> None:
+        problem, mine, everything, _, _ = fsdp_shards(name, rank, world)
+        model, ref = fsdp_model(problem, nested), problem.model()
+        lossfunc = problem.make_loss(reduction)
+        op = KFAC(model, lossfunc, mine, **options)
+        expected = KFAC(ref, lossfunc, everything, distributed=False, **options)
+        size = sum(p.to_local().numel() for p in model.parameters())
+        assert op.shape == (size, size), (op.shape, size)
+        g = torch.Generator().manual_seed(7)
+        V = torch.randn(expected.shape[0], 3, generator=g, dtype=torch.float64)
+        local = local_vector(model, V)
+        close(op @ local, local_vector(model, expected @ V), "K @ V")
+        close(op @ local[:, 0], local_vector(model, expected @ V[:, 0]), "K @ v")
+        inv, inv_ref = op.inverse(0.1), expected.inverse(0.1)
+        close(inv @ local, local_vector(model, inv_ref @ V), "(K + λI)⁻¹ @ V")
+        close(inv.logdet(), inv_ref.logdet(), "inverse logdet")
+        close(op.logdet(0.1), expected.logdet(0.1), "logdet")
+        close(op.trace(), expected.trace(), "trace")
+        close(op.diagonal(), local_vector(model, expected.diagonal()), "diagonal")
+        spectra = [None] * world
+        dist.all_gather_object(spectra, op.eigenvalues())
+        close(torch.cat(spectra).sort().values, expected.eigenvalues(), "eigenvalues")
+        for block, factors in op.factors.items():
+            assert op.owners[block] == rank
+            close(factors, expected.factors[block], f"factors of {block}")
+        held = sum(f.numel() for fs in op.factors.values() for f in fs)
+        assert held < sum(f.numel() for fs in expected.factors.values() for f in fs) or world == 1
+        _expect_everywhere(op.to_dense, NotImplementedError, "to_dense")
+
+    return check
+
+
+def kfac_errors(rank: int, world: int) -> None:
+    """A wrong vector on one rank makes every rank raise (no rank waits in a collective)."""
+    problem, mine, _, _, _ = fsdp_shards("mlp_ce", rank, world)
+    model = fsdp_model(problem, nested=True)
+    op = KFAC(model, problem.make_loss("mean"), mine)
+    size = op.shape[0]
+    bad = torch.zeros(size + (rank == world - 1), dtype=torch.float64)
+    _expect_everywhere(lambda: op @ bad, (ValueError, RuntimeError), "")
+    cols = torch.zeros(size, 1 + (rank == 0), dtype=torch.float64)
+    _expect_everywhere(lambda: op @ cols, ValueError, "same number of columns")
+    # still usable afterwards
+    out = op @ torch.ones(size, dtype=torch.float64)
+    assert out.shape == (size,) and torch.isfinite(out).all()
+
+
 MAIN: list[tuple[str, Callable]] = [
     ("kron-mlp_ce-mean-nested", accumulate_kron_case("mlp_ce", "mean", nested=True)),
     ("kron-mlp_mse-sum", accumulate_kron_case("mlp_mse", "sum", nested=False)),
     ("kron-cnn_ce-mean-nested", accumulate_kron_case("cnn_ce", "mean", nested=True)),
     ("kron-token_ce-sum", accumulate_kron_case("token_ce", "sum", nested=False)),
+    ("kfac-mlp_ce-mean-nested", kfac_operator_case("mlp_ce", "mean", nested=True)),
+    ("kfac-mlp_mse-sum", kfac_operator_case("mlp_mse", "sum", nested=False)),
+    ("kfac-cnn_ce-mean", kfac_operator_case("cnn_ce", "mean", nested=False)),
+    ("kfac-token_ce-sum-nested", kfac_operator_case("token_ce", "sum", nested=True)),
+    (
+        "kfac-folded-mlp_ce",
+        kfac_operator_case("mlp_ce", "mean", nested=True, separate_weight_and_bias=False),
+    ),
+    (
+        "kfac-folded-cnn_ce",
+        kfac_operator_case("cnn_ce", "sum", nested=True, separate_weight_and_bias=False),
+    ),
+    ("kfac-empirical", kfac_operator_case("mlp_ce", "mean", nested=True, fisher_type="empirical")),
+    ("kfac-reduce", kfac_operator_case("cnn_ce", "mean", nested=False, kfac_approx="reduce")),
+    ("kfac-errors", kfac_errors),
 ]
 SCENARIOS = {"main": MAIN}
 
