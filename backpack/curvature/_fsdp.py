@@ -68,11 +68,12 @@ def is_fully_sharded(model: nn.Module) -> bool:
     return any("FSDP" in type(m).__name__ for m in model.modules())
 
 
-def refuse(what: str) -> NotImplementedError:
-    """The error of a curvature tool that does not support FSDP2 models."""
+def refuse(what: str, why: str | None = None) -> NotImplementedError:
+    """The error of a curvature tool that does not support FSDP2 models (`why`: the reason)."""
+    why = why or "its products or factors need whole parameters on every rank"
     return NotImplementedError(
-        f"{what} does not support a model sharded with FSDP2 (fully_shard): its products or "
-        "factors need whole parameters on every rank. accumulate(model, lossfunc, data, "
+        f"{what} does not support a model sharded with FSDP2 (fully_shard): {why}. "
+        "accumulate(model, lossfunc, data, "
         f"extensions) does: {SUPPORTED}. For {what}, sweep a replicated copy: load "
         "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)) into an "
         "unsharded instance of the model and use it with distributed=True (docs: 'Curvature of "
