@@ -312,7 +312,8 @@ def accumulate(
             model sharded with FSDP2 (`fully_shard`) is swept with one reduce-scatter per
             batch (every rank needs the same number of batches) and each rank gets its shard
             of the gradient, `SumGradSquared`, `Variance` and the diagonals, written as
-            DTensors like FSDP's `.grad` (docs: "Distributed sweeps").
+            DTensors like FSDP's `.grad`; `KFLR`/`KFAC` factors are whole on one owner rank
+            per parameter (`result.owners`; None on the others) (docs: "Distributed sweeps").
 
     Returns:
         An `Accumulated` result (mergeable with another sweep's, and `write`-able to a model).
@@ -324,7 +325,8 @@ def accumulate(
             sweep refuses").
         NotImplementedError: For `BatchDotGrad`, `KFRA` and the matrix-product extensions; for
             a model sharded with FSDP2 (`fully_shard`), for other extensions than the gradient,
-            `SumGradSquared`, `Variance`, the diagonals and `BatchL2Grad`, and for `callback`.
+            `SumGradSquared`, `Variance`, the diagonals, `BatchL2Grad`, `KFLR` and `KFAC`, and
+            for `callback`.
         RuntimeError: Under torch.distributed, when another rank's sweep failed, or the ranks
             swept different models, extensions or batch shapes.
     """

@@ -266,6 +266,12 @@ class KFAC(CurvatureOperator):
             `Ã = [[A, m], [mᵀ, 1]]` with `m` the mean input (the K-FAC papers' and kronfluence's
             convention; curvlinops' option of the same name).
 
+    On a model sharded with FSDP2 (`fully_shard`) each block's factors live whole on one owner
+    rank (`owners`); vectors are this rank's local shards (`[P_local]` or `[P_local, K]`, the
+    concatenation of `p.to_local().reshape(-1)`), products, `inverse`, `logdet`, `trace` and
+    `diagonal` are collectives, `eigenvalues` gives the owned blocks' and `to_dense` is refused
+    (docs: "Distributed sweeps", FSDP2).
+
     The factors are those of the data-set loss (see `accumulate`): `A` averages all inputs of
     the data set, `G` sums the backpropagated outer products with the data-set loss's factor.
     Cost: building sweeps the data once (one backward per batch); everything else is closed-form

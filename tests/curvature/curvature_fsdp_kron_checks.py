@@ -134,6 +134,11 @@ def kfac_errors(rank: int, world: int) -> None:
     _expect_everywhere(lambda: op @ bad, (ValueError, RuntimeError), "")
     cols = torch.zeros(size, 1 + (rank == 0), dtype=torch.float64)
     _expect_everywhere(lambda: op @ cols, ValueError, "same number of columns")
+    # Monte-Carlo factors: each rank draws for its own samples
+    mc = KFAC(model, problem.make_loss("mean"), mine, fisher_type="mc", mc_samples=2)
+    out = mc.inverse(0.1) @ torch.ones(size, 2, dtype=torch.float64)
+    assert out.shape == (size, 2) and torch.isfinite(out).all()
+    assert torch.isfinite(mc.logdet(0.1)) and mc.trace() > 0
     # still usable afterwards
     out = op @ torch.ones(size, dtype=torch.float64)
     assert out.shape == (size,) and torch.isfinite(out).all()
