@@ -515,10 +515,35 @@ class KFACInverse(CurvatureOperator):
             raise refuse_dense("KFACInverse")
         return super().to_dense()
 
-    def diagonal(self) -> Tensor:  # noqa: D102
-        if self.kfac._sharded is not None:
-            raise refuse_dense("KFACInverse")  # the base class's diagonal is the dense one's
-        return super().diagonal()
+    def _block_diagonal(self, block: _Block) -> Tensor:
+        """The diagonal of the block's damped inverse, `(Q∘Q) (Λ + λ)⁻¹` per factor pair."""
+        eig = block.eig()
+        if len(eig) == 2:
+            (lg, qg), (la, qa) = eig
+            inv = 1 / (torch.outer(lg, la) + self.damping)
+            own = (qg.square() @ inv @ qa.square().T).flatten()
+        else:
+            (lb, qb) = eig[0]
+            own = qb.square() @ (1 / (lb + self.damping))
+        return block.place_diagonal(own)
+
+    def diagonal(self) -> Tensor:
+        """The diagonal (FSDP2: this rank's rows, from the owners' eigenbases; a collective)."""
+        sharded = self.kfac._sharded
+        if sharded is None:
+            return super().diagonal()
+        like = torch.empty(0, dtype=self.dtype, device=self.device)
+        return sharded_diagonal(sharded, self._block_diagonal, like)
+
+    def trace(self) -> Tensor:
+        """The trace (FSDP2: the whole matrix's on every rank; a collective)."""
+        sharded = self.kfac._sharded
+        if sharded is None:
+            return super().trace()
+        return sharded.total(
+            lambda: sum(float(self._block_diagonal(b).sum()) for b in self.kfac._owned()),
+            "sum the inverse's trace",
+        ).to(self.dtype)
 
     def _matmat(self, V: Tensor) -> Tensor:
         pieces = blockwise(self.kfac.blocks, self.names, self.split(V), self._block_inverse)

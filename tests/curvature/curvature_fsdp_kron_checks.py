@@ -108,6 +108,8 @@ def kfac_operator_case(name: str, reduction: str, nested: bool, **options):
         inv, inv_ref = op.inverse(0.1), expected.inverse(0.1)
         close(inv @ local, local_vector(model, inv_ref @ V), "(K + λI)⁻¹ @ V")
         close(inv.logdet(), inv_ref.logdet(), "inverse logdet")
+        close(inv.diagonal(), local_vector(model, inv_ref.diagonal()), "inverse diagonal")
+        close(inv.trace(), inv_ref.trace(), "inverse trace")
         close(op.logdet(0.1), expected.logdet(0.1), "logdet")
         close(op.trace(), expected.trace(), "trace")
         close(op.diagonal(), local_vector(model, expected.diagonal()), "diagonal")
