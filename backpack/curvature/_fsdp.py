@@ -149,7 +149,8 @@ def assign_owners(sizes: dict[str, int], world: int) -> dict[str, int]:
     """
     load = [0] * world
     owners: dict[str, int] = {}
-    order = sorted(sizes, key=lambda n: (-sizes[n], list(sizes).index(n)))
+    position = {name: i for i, name in enumerate(sizes)}
+    order = sorted(sizes, key=lambda n: (-sizes[n], position[n]))
     for name in order:
         rank = min(range(world), key=lambda r: (load[r], r))
         owners[name] = rank

@@ -185,7 +185,9 @@ class Accumulated:
 
         On a model sharded with FSDP2 each rank's shards become DTensors laid out like the
         parameter (`p.diag_ggn_exact.to_local()`: this rank's shard; `.full_tensor()`: the whole
-        quantity, a collective), as FSDP2's `.grad`; `batch_l2` rows stay plain tensors.
+        quantity, a collective), as FSDP2's `.grad`; `batch_l2` rows stay plain tensors, and
+        Kronecker factors are plain `[G, A]` lists on their owner rank (`owners`), absent on the
+        other ranks.
 
         Raises:
             ValueError: If `model`'s trainable parameters are not those swept.
