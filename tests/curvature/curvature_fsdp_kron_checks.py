@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from curvature_distributed_checks import close, fsdp_model, fsdp_shards, own_chunk
+from curvature_distributed_checks import FSDP_SHARDS, close, fsdp_model, fsdp_shards, own_chunk
 from distributed_checks import run_checks
 
 from backpack import distributed
@@ -22,13 +22,17 @@ from backpack.extensions import KFLR, DiagGGNExact
 
 
 def local_vector(model, full):
-    """This rank's rows of a whole-model vector/matrix `full` `[P, ...]` (FSDP2 chunks)."""
+    """This rank's rows of a whole-model vector/matrix `full` `[P, ...]` (FSDP2 chunks along
+    each parameter's sharded dimension)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     out, start = [], 0
     for _, p in model.named_parameters():
         n = p.numel()
         piece = full[start : start + n].reshape(*p.shape, *full.shape[1:])
-        out.append(own_chunk(piece, rank, world).reshape(-1, *full.shape[1:]))
+        dim = p.placements[0].dim
+        chunks = piece.chunk(world, dim=dim)
+        mine = chunks[rank] if rank < len(chunks) else piece.narrow(dim, 0, 0)
+        out.append(mine.reshape(-1, *full.shape[1:]))
         start += n
     return torch.cat(out)
 
@@ -126,6 +130,41 @@ def kfac_operator_case(name: str, reduction: str, nested: bool, **options):
     return check
 
 
+def kfac_last_dim(rank: int, world: int) -> None:
+    """shard_placement_fn=Shard(last dimension): products and diagonals of those chunks."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    def make():
+        torch.manual_seed(3)
+        return nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+
+    g = torch.Generator().manual_seed(5)
+    sizes = [s for shard in FSDP_SHARDS[world] for s in shard]
+    everything = [
+        (
+            torch.randn(n, 6, generator=g, dtype=torch.float64),
+            torch.randint(0, 3, (n,), generator=g),
+        )
+        for n in sizes
+    ]
+    per_rank = len(FSDP_SHARDS[world][0])
+    mine = everything[rank * per_rank : (rank + 1) * per_rank]
+    model, ref = make(), make()
+    last = lambda p: Shard(p.dim() - 1)  # noqa: E731
+    for module in (model[0], model[2], model):
+        fully_shard(module, shard_placement_fn=last)
+    lossfunc = nn.CrossEntropyLoss()
+    op = KFAC(model, lossfunc, mine, separate_weight_and_bias=False)
+    expected = KFAC(ref, lossfunc, everything, distributed=False, separate_weight_and_bias=False)
+    V = torch.randn(expected.shape[0], 2, generator=g, dtype=torch.float64)
+    close(op @ local_vector(model, V), local_vector(model, expected @ V), "last-dim K @ V")
+    inv, inv_ref = op.inverse(0.05), expected.inverse(0.05)
+    close(inv @ local_vector(model, V), local_vector(model, inv_ref @ V), "last-dim inverse")
+    close(op.diagonal(), local_vector(model, expected.diagonal()), "last-dim diagonal")
+
+
 def kfac_errors(rank: int, world: int) -> None:
     """A wrong vector on one rank makes every rank raise (no rank waits in a collective)."""
     problem, mine, _, _, _ = fsdp_shards("mlp_ce", rank, world)
@@ -165,6 +204,7 @@ MAIN: list[tuple[str, Callable]] = [
     ),
     ("kfac-empirical", kfac_operator_case("mlp_ce", "mean", nested=True, fisher_type="empirical")),
     ("kfac-reduce", kfac_operator_case("cnn_ce", "mean", nested=False, kfac_approx="reduce")),
+    ("kfac-last-dim", kfac_last_dim),
     ("kfac-errors", kfac_errors),
 ]
 SCENARIOS = {"main": MAIN}
