@@ -16,7 +16,7 @@ from curvature_distributed_checks import FSDP_SHARDS, close, fsdp_model, fsdp_sh
 from distributed_checks import run_checks
 
 from backpack import distributed
-from backpack.curvature import KFAC, accumulate
+from backpack.curvature import KFAC, accumulate, eigvalsh, hutchinson_trace
 from backpack.extensions import KFAC as KFACExtension
 from backpack.extensions import KFLR, DiagGGNExact
 
@@ -126,6 +126,9 @@ def kfac_operator_case(name: str, reduction: str, nested: bool, **options):
         held = sum(f.numel() for fs in op.factors.values() for f in fs)
         assert held < sum(f.numel() for fs in expected.factors.values() for f in fs) or world == 1
         _expect_everywhere(op.to_dense, NotImplementedError, "to_dense")
+        # the estimators' inner products would be per rank: refused on every rank
+        _expect_everywhere(lambda: hutchinson_trace(op, 2), NotImplementedError, "local shards")
+        _expect_everywhere(lambda: eigvalsh(op, 1), NotImplementedError, "local shards")
 
     return check
 
