@@ -232,10 +232,15 @@ def _chunk_rows(s: _Shard, value: Tensor, index: int) -> Tensor:
 
 
 def refuse_dense(what: str) -> NotImplementedError:
-    """The error of `to_dense` on a sharded operator."""
+    """The error of `to_dense` (or `to_scipy`) on a sharded operator (`what`: the method)."""
+    if "." not in what:
+        what = f"{what}.to_dense()"
+        why = "the dense [P, P] matrix would hold the whole model's curvature on every rank"
+    else:
+        what = f"{what}()"
+        why = "SciPy's solvers would take inner products of each rank's local shards"
     return NotImplementedError(
-        f"{what}.to_dense() is not available on a model sharded with FSDP2 (fully_shard): the "
-        "dense [P, P] matrix would hold the whole model's curvature on every rank. Use products "
+        f"{what} is not available on a model sharded with FSDP2 (fully_shard): {why}. Use products "
         "(op @ V with V this rank's local shards), diagonal(), trace() or logdet(), or build "
         "the operator on a replicated copy of the model (docs: 'Distributed sweeps')."
     )

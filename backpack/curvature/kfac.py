@@ -421,6 +421,12 @@ class KFAC(CurvatureOperator):
         dense = [b.dense(b.factors) for b in self.blocks]
         return assemble_dense(self.blocks, self.names, self.numels, dense)
 
+    def to_scipy(self):
+        """A SciPy `LinearOperator` (refused on a model sharded with FSDP2: per-rank vectors)."""
+        if self._sharded is not None:
+            raise refuse_dense("KFAC.to_scipy")
+        return super().to_scipy()
+
     def diagonal(self) -> Tensor:
         """The diagonal: `diag(G) ⊗ diag(A)` per block (FSDP2: this rank's rows, a collective)."""
         if self._sharded is not None:
@@ -526,6 +532,12 @@ class KFACInverse(CurvatureOperator):
             (lb, qb) = eig[0]
             own = qb.square() @ (1 / (lb + self.damping))
         return block.place_diagonal(own)
+
+    def to_scipy(self):
+        """A SciPy `LinearOperator` (refused on a model sharded with FSDP2: per-rank vectors)."""
+        if self.kfac._sharded is not None:
+            raise refuse_dense("KFACInverse.to_scipy")
+        return super().to_scipy()
 
     def diagonal(self) -> Tensor:
         """The diagonal (FSDP2: this rank's rows, from the owners' eigenbases; a collective)."""
