@@ -179,6 +179,37 @@ def kfac_errors(rank: int, world: int) -> None:
     _expect_everywhere(lambda: op @ bad, (ValueError, RuntimeError), "")
     cols = torch.zeros(size, 1 + (rank == 0), dtype=torch.float64)
     _expect_everywhere(lambda: op @ cols, ValueError, "same number of columns")
+    # a block failing on its owner: the owner raises its error, every other rank names it
+    block = op.blocks[0]
+    owner = op.owners[block.name]
+    if rank == owner:
+
+        def broken(v, mats):
+            raise FloatingPointError("broken block")
+
+        block.apply = broken
+    try:
+        op @ torch.ones(size, dtype=torch.float64)
+    except FloatingPointError as err:
+        assert rank == owner and "broken block" in str(err), err
+    except RuntimeError as err:
+        assert rank != owner and f"rank {owner} failed" in str(err), err
+    else:
+        raise AssertionError("a failing owner was not agreed")
+    finally:
+        block.__dict__.pop("apply", None)
+    # a batch without loss terms (every target ignored) on rank 0: its inputs would count in A
+    # without a G, as without FSDP: rank 0 raises that, the others name rank 0
+    ignored = [(X, torch.full_like(y, -100) if i == 0 else y) for i, (X, y) in enumerate(mine)]
+    data = ignored if rank == 0 else mine
+    try:
+        accumulate(model, problem.make_loss("mean"), data, KFLR())
+    except ValueError as err:
+        assert rank == 0 and "no loss term" in str(err), err
+    except RuntimeError as err:
+        assert rank != 0 and "rank 0 failed" in str(err), err
+    else:
+        raise AssertionError("a batch without loss terms was not refused")
     # Monte-Carlo factors: each rank draws for its own samples
     mc = KFAC(model, problem.make_loss("mean"), mine, fisher_type="mc", mc_samples=2)
     out = mc.inverse(0.1) @ torch.ones(size, 2, dtype=torch.float64)
