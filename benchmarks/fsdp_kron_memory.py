@@ -2,10 +2,11 @@
 
 For each number of ranks, that many gloo processes shard a several-layer MLP with `fully_shard`
 (per layer and at the root), build `backpack.curvature.KFAC` over their own batches and count,
-per rank, the bytes of the Kronecker factors it holds (its owned blocks) and, after one product
-with the damped inverse, of those plus their eigendecompositions. Bytes are counted from the
-tensors, not measured from the allocator. The header gives the whole model's factors: what
-every rank would hold with a replicated model.
+per rank, the bytes of the Kronecker factors it holds (its owned blocks), of those plus their
+eigendecompositions after one product with the damped inverse, and of the largest per-batch
+reduce-scatter input (the batch's scaled full-size contributions of every layer and the
+gradient, transient). Bytes are counted from the tensors, not measured from the allocator. The
+header gives the whole model's factors: what every rank would hold with a replicated model.
 """
 
 from __future__ import annotations
@@ -45,8 +46,16 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from torch.distributed.fsdp import fully_shard
 
-    from backpack.curvature import KFAC
+    from backpack.curvature import KFAC, _fsdp
 
+    sent = [0]  # the largest reduce-scatter input of a batch (all of the batch's contributions)
+    reduce_scatter = _fsdp._REDUCE_SCATTER
+
+    def counting(output, flat, **kwargs):
+        sent[0] = max(sent[0], flat.numel() * flat.element_size())
+        return reduce_scatter(output, flat, **kwargs)
+
+    _fsdp._REDUCE_SCATTER = counting
     model = _model()
     for layer in model:
         if isinstance(layer, nn.Linear):
@@ -59,7 +68,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     inv = op.inverse(1e-3)
     inv @ torch.ones(op.shape[0])
     eig = _bytes(t for b in op._owned() for pair in b.eig() for t in pair)
-    Path(out, f"{rank}.txt").write_text(f"{factors} {eig} {len(op.factors)}")
+    Path(out, f"{rank}.txt").write_text(f"{factors} {eig} {len(op.factors)} {sent[0]}")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -74,8 +83,11 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     args = parser.parse_args()
     print(f"MLP {WIDTHS}, float32; the whole model's factors: {_whole()} bytes")
-    print("| ranks | factors per rank (bytes) | with eigendecompositions | blocks per rank |")
-    print("|---|---|---|---|")
+    print(
+        "| ranks | factors per rank (bytes) | with eigendecompositions | blocks per rank | "
+        "per-batch reduce-scatter input (bytes) |"
+    )
+    print("|---|---|---|---|---|")
     for world in args.ranks:
         with tempfile.TemporaryDirectory() as out:
             with socket.socket() as s:
@@ -86,7 +98,8 @@ def main() -> None:
         factors = " / ".join(r[0] for r in rows)
         both = " / ".join(str(int(r[0]) + int(r[1])) for r in rows)
         blocks = " / ".join(r[2] for r in rows)
-        print(f"| {world} | {factors} | {both} | {blocks} |")
+        sent = " / ".join(r[3] for r in rows)
+        print(f"| {world} | {factors} | {both} | {blocks} | {sent} |")
 
 
 if __name__ == "__main__":
