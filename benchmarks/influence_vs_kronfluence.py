@@ -56,6 +56,47 @@ def peers_available() -> bool:
 
 
 # --- problems --------------------------------------------------------------------------------
+def _add_block_layers(m: nn.Module, dim: int, heads: int, bias: bool) -> None:
+    """Give `m` the layers of one pre-norm transformer block (attention and MLP in `nn.Linear`)."""
+    m.heads = heads
+    m.ln1 = nn.LayerNorm(dim)
+    m.q = nn.Linear(dim, dim, bias=bias)
+    m.k = nn.Linear(dim, dim, bias=bias)
+    m.v = nn.Linear(dim, dim, bias=bias)
+    m.o = nn.Linear(dim, dim, bias=bias)
+    m.ln2 = nn.LayerNorm(dim)
+    m.up = nn.Linear(dim, 4 * dim, bias=bias)
+    m.down = nn.Linear(4 * dim, dim, bias=bias)
+
+
+def _block_forward(m: Any, h: Tensor) -> Tensor:
+    """The block whose layers `_add_block_layers` gave `m`, on hidden states `[N, T, D]`."""
+    n, t, _ = h.shape
+    a = m.ln1(h)
+    d = a.shape[-1] // m.heads
+
+    def split(z: Tensor) -> Tensor:
+        return z.reshape(n, t, m.heads, d).transpose(1, 2)
+
+    q, k, v = split(m.q(a)), split(m.k(a)), split(m.v(a))
+    mask = torch.ones(t, t, dtype=torch.bool, device=h.device).tril()
+    att = (q @ k.transpose(-1, -2) / math.sqrt(d)).masked_fill(~mask, float("-inf"))
+    y = (att.softmax(-1) @ v).transpose(1, 2).reshape(n, t, -1)
+    h = h + m.o(y)
+    return h + m.down(F.gelu(m.up(m.ln2(h))))
+
+
+class Block(nn.Module):
+    """One transformer block of `GPT` (layers as in `TinyGPT`)."""
+
+    def __init__(self, dim: int, heads: int, bias: bool) -> None:
+        super().__init__()
+        _add_block_layers(self, dim, heads, bias)
+
+    def forward(self, h: Tensor) -> Tensor:  # noqa: D102
+        return _block_forward(self, h)
+
+
 class TinyGPT(nn.Module):
     """Decoder-only transformer whose attention is built from `nn.Linear` layers (kronfluence's
     coverage): embeddings, LayerNorms and the position embedding are not `nn.Linear`."""
@@ -64,37 +105,47 @@ class TinyGPT(nn.Module):
         self, vocab: int = 32, context: int = 8, dim: int = 16, heads: int = 2, bias: bool = False
     ):
         super().__init__()
-        self.heads = heads
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(0.02 * torch.randn(context, dim))
-        self.ln1 = nn.LayerNorm(dim)
-        self.q = nn.Linear(dim, dim, bias=bias)
-        self.k = nn.Linear(dim, dim, bias=bias)
-        self.v = nn.Linear(dim, dim, bias=bias)
-        self.o = nn.Linear(dim, dim, bias=bias)
-        self.ln2 = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, 4 * dim, bias=bias)
-        self.down = nn.Linear(4 * dim, dim, bias=bias)
+        _add_block_layers(self, dim, heads, bias)
         self.lnf = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=bias)
         nn.init.normal_(self.tok.weight, std=0.02)
 
     def forward(self, x: Tensor) -> Tensor:
-        n, t = x.shape
-        h = self.tok(x) + self.pos[:t]
-        a = self.ln1(h)
-        d = a.shape[-1] // self.heads
-
-        def split(z: Tensor) -> Tensor:
-            return z.reshape(n, t, self.heads, d).transpose(1, 2)
-
-        q, k, v = split(self.q(a)), split(self.k(a)), split(self.v(a))
-        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        att = (q @ k.transpose(-1, -2) / math.sqrt(d)).masked_fill(~mask, float("-inf"))
-        y = (att.softmax(-1) @ v).transpose(1, 2).reshape(n, t, -1)
-        h = h + self.o(y)
-        h = h + self.down(F.gelu(self.up(self.ln2(h))))
+        h = self.tok(x) + self.pos[: x.shape[1]]
+        h = _block_forward(self, h)
         return self.head(self.lnf(h)).transpose(1, 2)  # [N, V, T] for CE with targets [N, T]
+
+
+class GPT(nn.Module):
+    """`layers` blocks of `TinyGPT`'s kind: GPT-2 small's shapes with the defaults (124M)."""
+
+    def __init__(
+        self,
+        vocab: int = 50257,
+        context: int = 1024,
+        dim: int = 768,
+        heads: int = 12,
+        layers: int = 12,
+        bias: bool = True,
+        tied: bool = True,
+    ):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(0.02 * torch.randn(context, dim))
+        self.blocks = nn.ModuleList(Block(dim, heads, bias) for _ in range(layers))
+        self.lnf = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=bias)
+        nn.init.normal_(self.tok.weight, std=0.02)
+        if tied:  # GPT-2 ties its head to the token embedding
+            self.head.weight = self.tok.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.tok(x) + self.pos[: x.shape[1]]
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.lnf(h)).transpose(1, 2)
 
 
 def build(name: str, n_train: int, n_query: int, bias: bool = False):
@@ -200,28 +251,36 @@ class Kronfluence:
         self.count = 0
 
     def scores(
-        self, train, query, strategy, damping, batch_size, per_module=False, per_token=False
+        self,
+        train,
+        query,
+        strategy,
+        damping,
+        batch_size,
+        per_module=False,
+        per_token=False,
+        dtype=torch.float64,
     ):
         from kronfluence.arguments import FactorArguments, ScoreArguments
         from torch.utils.data import TensorDataset
 
-        f64 = torch.float64
+        dt = dtype  # kronfluence's computation (eigendecompositions: its float64 default)
         factor_args = FactorArguments(
             strategy=strategy,
             use_empirical_fisher=True,
-            activation_covariance_dtype=f64,
-            gradient_covariance_dtype=f64,
-            eigendecomposition_dtype=f64,
-            per_sample_gradient_dtype=f64,
-            lambda_dtype=f64,
+            activation_covariance_dtype=dt,
+            gradient_covariance_dtype=dt,
+            eigendecomposition_dtype=torch.float64,
+            per_sample_gradient_dtype=dt,
+            lambda_dtype=dt,
         )
         score_args = ScoreArguments(
             damping_factor=damping,
             compute_per_module_scores=per_module,
             compute_per_token_scores=per_token,
-            per_sample_gradient_dtype=f64,
-            precondition_dtype=f64,
-            score_dtype=f64,
+            per_sample_gradient_dtype=dt,
+            precondition_dtype=dt,
+            score_dtype=dt,
         )
         self.count += 1
         name = f"{strategy}{self.count}"

@@ -73,3 +73,17 @@ def test_kronfluence_options_fit_the_benchmark_problems(name):
         assert torch.isfinite(influence.scores(query, train)).all()
         if strategy != "identity":
             assert all(b.bias is not None for b in influence.blocks)
+
+
+def test_llm_scale_problem_and_one_process_run(capsys):
+    """The LLM-scale benchmark's GPT has GPT-2 small's parameter count at full size; a tiny run
+    of backpack's one-process row (a spawned process) reports time, memory and no error."""
+    from benchmarks import influence_llm_scale as LS
+
+    full = LS.GPT(**{k: LS.FULL[k] for k in ("vocab", "dim", "heads", "layers")}, context=1024)
+    assert round(sum(p.numel() for p in full.parameters()) / 1e6) == 124
+    del full
+    assert LS.main(["--tiny", "--ranks", "1", "--without-kronfluence"]) == 0
+    row = [line for line in capsys.readouterr().out.splitlines() if "1 process |" in line][-1]
+    seconds, peak = (float(c) for c in row.split("|")[2:4])
+    assert seconds > 0 and peak >= 0

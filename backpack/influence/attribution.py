@@ -18,6 +18,9 @@ The strategy approximates `F` (block diagonal over the parameters except "identi
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -39,6 +42,7 @@ from backpack.curvature._rows import row_batches
 from backpack.curvature._sweep import Sweep
 from backpack.curvature.ekfac import EKFAC, EigenBlock, kfac_eigenblocks
 from backpack.curvature.kfac import KFAC
+from backpack.influence._lowrank import LowRank, compress, concat, fisher_weights
 from backpack.influence._sites import (
     CHUNK_ENTRIES,
     Site,
@@ -49,8 +53,20 @@ from backpack.influence._sites import (
     site_batches,
     square_sum,
 )
+from backpack.influence._store import (
+    ScoreChunks,
+    batch_digest,
+    cast_floats,
+    is_block_folder,
+    load_block_state,
+    load_block_states,
+    load_head,
+    read_scores,
+    save_blocks,
+    tensor_hash,
+)
 
-__all__ = ["Influence", "fit", "load", "STRATEGIES"]
+__all__ = ["Influence", "fit", "load", "load_block", "read_scores", "STRATEGIES"]
 
 STRATEGIES = ("identity", "diagonal", "kfac", "ekfac")
 #: the operators' `fisher_type` of each `fisher`
@@ -299,13 +315,22 @@ class Influence:
         return block.scatter(out)
 
     def _query(
-        self, query_data: Iterable, progress: bool, factored: bool
-    ) -> tuple[dict[str, Tensor], int, dict[str, Site | None]]:
+        self,
+        query_data: Iterable,
+        progress: bool,
+        factored: bool,
+        rank: int | None = None,
+        norm: str = "fisher",
+    ) -> tuple[dict[str, Tensor | LowRank], int, dict[str, Site | None]]:
         """Preconditioned query gradients `{name: [Q, numel]}`, Q, and the ghost factors.
 
         The factors (for "identity" only) are those of single-call Linear-like parameters.
+        `rank`: matrix parameters' gradients truncated to that rank in the norm `norm`, batch by
+        batch (`LowRank`).
         """
-        pieces: dict[str, list[Tensor]] = {}
+        shapes = {name: tuple(p.shape) for name, p in self.sweep.trainable()}
+        weights = self._rank_weights(shapes) if rank is not None and norm == "fisher" else {}
+        pieces: dict[str, list[Tensor | LowRank]] = {}
         factors: dict[str, list[Site] | None] = {}
         for _, sites in self._sites(query_data, progress, False, factored, "query gradients"):
             if self.blocks is None:  # identity
@@ -316,6 +341,9 @@ class Influence:
                 for block in self.blocks:
                     for name, value in self._precondition_sites(sites, block).items():
                         pieces.setdefault(name, []).append(value)
+            if rank is not None:  # this batch's rows at rank `rank`, before the next batch
+                for name, values in pieces.items():
+                    values[-1] = compress(values[-1], shapes[name], rank, weights.get(name))
             for name, value in sites.items():
                 keep = self.strategy == "identity" and len(value) == 1 and value[0].kind == "outer"
                 if not keep:
@@ -326,11 +354,12 @@ class Influence:
         merged = {}
         for name in list(pieces):  # one parameter's copy at a time
             values = pieces.pop(name)
-            merged[name] = values[0] if len(values) == 1 else torch.cat(values)
+            merged[name] = concat(values)
             del values
         ghost: dict[str, Site | None] = {}
         for name, value in factors.items():
             same = value is not None and len({s.positions for s in value}) == 1
+            same = same and not isinstance(merged[name], LowRank)
             ghost[name] = (
                 Site(
                     "outer",
@@ -341,7 +370,20 @@ class Influence:
                 if same
                 else None
             )
-        return merged, next(iter(merged.values())).shape[0], ghost
+        first = next(iter(merged.values()))
+        n_query = first.num_queries if isinstance(first, LowRank) else first.shape[0]
+        return merged, n_query, ghost
+
+    def _rank_weights(self, shapes: Mapping[str, tuple]) -> dict[str, Any]:
+        """`{weight name: fisher_weights}` of the blocks with Kronecker or diagonal structure."""
+        if self.blocks is None:
+            return {}
+        out = {}
+        for b in self.blocks:
+            found = fisher_weights(b, shapes[b.name])
+            if found is not None:
+                out[b.name] = found
+        return out
 
     # --- scores ------------------------------------------------------------------------------
     def scores(
@@ -352,15 +394,22 @@ class Influence:
         per_token: bool = False,
         factored: bool = True,
         gather: bool = False,
-    ) -> Tensor:
+        query_rank: int | None = None,
+        per_module: bool = False,
+        out_dir: Any = None,
+        chunk_size: int = 16,
+        dtype: torch.dtype | None = None,
+        query_rank_norm: str = "fisher",
+    ) -> Tensor | dict[str, Tensor]:
         """`[n_query, n_train]` influence scores `∇ℓ_qᵀ (F + λI)⁻¹ ∇ℓ_t`.
 
-        The preconditioned query gradients are kept (`[n_query, P]`); the training data are
-        swept once, batch by batch (at most one batch's gradients at a time). For Linear-like
-        layers (`nn.Linear`, Hugging Face's `Conv1D`) the products with a training batch are
-        taken in the cheapest of three forms, by a count of multiply-adds per layer and batch
-        (`_sites.pair_costs`): from the per-sample gradients, factored (`Σ_t b_tᵀ M_q a_t`,
-        never forming them) or, for "identity", from Gram matrices of both sides' factors.
+        The preconditioned query gradients are kept (`[n_query, P]`, or at rank `query_rank`);
+        the training data are swept once, batch by batch (at most one batch's gradients at a
+        time). For Linear-like layers (`nn.Linear`, Hugging Face's `Conv1D`) the products with
+        a training batch are taken in the cheapest of three forms, by a count of multiply-adds
+        per layer and batch (`_sites.pair_costs`): from the per-sample gradients, factored
+        (`Σ_t b_tᵀ M_q a_t`, never forming them) or, for "identity", from Gram matrices of
+        both sides' factors.
 
         Args:
             query_data: `(X, y)` batches of the query examples.
@@ -380,60 +429,270 @@ class Influence:
             gather: Under torch.distributed, where `train_data` is this rank's shard: every
                 rank returns the whole matrix, the ranks' columns in rank order (a collective
                 call). Without torch.distributed (or one process), the local scores.
+            query_rank: Keep each query's preconditioned gradient of every matrix parameter
+                (a weight `m × k`; a convolution's `C_out × C_in·prod(kernel)`) as its best
+                rank-r approximation (in `query_rank_norm`), computed once per query batch; products
+                with training gradients then use the factors (`Q N T r (m + k)` per Linear-like
+                layer and batch). Biases and other one-axis parameters stay exact (kronfluence's
+                `query_gradient_low_rank`; see `query_rank_error` for what it costs).
+            query_rank_norm: What "best" rank r means: "fisher" (default) minimises the
+                scores' expected squared error over the training gradients, with their
+                second moment approximated per weight by a Kronecker product `G ⊗ A` from the
+                fit (`‖G^{1/2} (M − M_r) A^{1/2}‖_F`; for "identity", and blocks without
+                Kronecker or diagonal structure, the Frobenius norm); "frobenius" minimises
+                `‖M − M_r‖_F` (a plain truncated SVD, kronfluence's criterion).
+            per_module: Return `{module name: scores}`, the part of the scores from each
+                module's own parameters (they sum to the scores).
+            out_dir: Write the scores to this folder as they are computed, one plain tensor
+                file per `chunk_size` training batches, with a manifest; a rerun with the same
+                model, fit, queries and options resumes after the finished chunks (their
+                batches are drawn from `train_data` but not run through the model) and other
+                inputs are refused. Returns the whole result read back (`read_scores`).
+            chunk_size: Training batches per chunk file (with `out_dir`).
+            dtype: The dtype the scores are returned and stored in (computed in the
+                parameters'); None: the parameters'.
 
         Raises:
-            ValueError: For `per_token` on a model or data it does not apply to.
+            ValueError: For `per_token` on a model or data it does not apply to, a
+                `query_rank` below 1, or an `out_dir` holding other inputs' scores.
         """
+        if query_rank is not None and (int(query_rank) != query_rank or query_rank < 1):
+            raise ValueError(f"query_rank must be a positive integer, got {query_rank}.")
+        if query_rank_norm not in ("fisher", "frobenius"):
+            raise ValueError(
+                f"query_rank_norm must be 'fisher' or 'frobenius', got {query_rank_norm!r}."
+            )
         if gather:
+            if out_dir is not None or per_module:
+                raise ValueError(
+                    "gather=True takes neither out_dir nor per_module: write each rank's columns "
+                    "to its own out_dir, or gather the total scores."
+                )
             return _gathered(
-                lambda: self.scores(query_data, train_data, progress, per_token, factored),
+                lambda: self.scores(
+                    query_data,
+                    train_data,
+                    progress,
+                    per_token,
+                    factored,
+                    query_rank=query_rank,
+                    dtype=dtype,
+                    query_rank_norm=query_rank_norm,
+                ),
                 1,
                 "influence.scores(..., gather=True)",
             )
-        query, n_query, ghost = self._query(query_data, progress, factored)
+        query, n_query, ghost = self._query(
+            query_data, progress, factored, query_rank, query_rank_norm
+        )
+        if out_dir is not None:
+            options = {
+                "per_token": per_token,
+                "per_module": per_module,
+                "query_rank": query_rank,
+                "query_rank_norm": query_rank_norm if query_rank is not None else None,
+                "dtype": str(dtype),
+                "n_query": n_query,
+            }
+            return self._scores_to_disk(
+                query,
+                n_query,
+                ghost,
+                train_data,
+                progress,
+                per_token,
+                factored,
+                per_module,
+                out_dir,
+                chunk_size,
+                dtype,
+                options,
+            )
         columns = []
-        length = None
+        length: list[int | None] = [None]
         for _, sites in self._sites(train_data, progress, per_token, factored, "gradients"):
-            total: Tensor | float = 0.0
-            for name, value in sites.items():
-                M = query[name]
-                if per_token:
-                    for site in value:
-                        if site.kind == "sample":
-                            raise ValueError(
-                                f"per_token=True: {name} has no terms per position (its module "
-                                "was not called as a layer of its own). Freeze it or use "
-                                "per_token=False."
-                            )
-                        if length is None:
-                            length = site.positions
-                        if site.positions != length:
-                            raise ValueError(
-                                f"per_token=True needs one sequence length T in every layer and "
-                                f"batch; {name} has {site.positions} positions, others "
-                                f"{length}. Pad the sequences (ignored targets) to one length "
-                                "(a convolution's positions are its output positions: keep "
-                                "its output as long as the sequence, e.g. stride 1 and "
-                                "causal or 'same' padding)."
-                            )
-                        total = total + site.token_products(M.reshape(n_query, *site.shape))
-                    continue
-                if len(value) == 1 and value[0].kind == "outer":
-                    site = value[0]
-                    q_site = ghost.get(name)
-                    how = choose(site, n_query, q_site.positions if q_site is not None else None)
-                    if how == "ghost":
-                        total = total + site.ghost_products(q_site)
-                        continue
-                    if how == "factored":
-                        total = total + site.token_products(M.reshape(n_query, *site.shape)).sum(-1)
-                        continue
-                total = total + M @ dense(value).flatten(1).T
-            columns.append(total)
+            columns.append(
+                self._batch_scores(query, n_query, ghost, sites, per_token, per_module, length)
+            )
             del sites
-        if not columns:
-            return torch.zeros(n_query, 0)
-        return torch.cat(columns, dim=1)
+        return _joined(columns, n_query, per_module, dtype)
+
+    def _batch_scores(
+        self,
+        query: Mapping[str, Tensor | LowRank],
+        n_query: int,
+        ghost: Mapping[str, Site | None],
+        sites: Mapping[str, list[Site]],
+        per_token: bool,
+        per_module: bool,
+        length: list[int | None],
+    ) -> dict[str, Tensor]:
+        """One training batch's scores, `{module name: ...}` (per_module) or `{"": ...}`.
+
+        `length`: the positions T seen so far (per_token), updated in place.
+        """
+        totals: dict[str, Tensor] = {}
+        for name, value in sites.items():
+            M = query[name]
+            if per_token:
+                for site in value:
+                    if site.kind == "sample":
+                        raise ValueError(
+                            f"per_token=True: {name} has no terms per position (its module "
+                            "was not called as a layer of its own). Freeze it or use "
+                            "per_token=False."
+                        )
+                    if length[0] is None:
+                        length[0] = site.positions
+                    if site.positions != length[0]:
+                        raise ValueError(
+                            f"per_token=True needs one sequence length T in every layer and "
+                            f"batch; {name} has {site.positions} positions, others "
+                            f"{length[0]}. Pad the sequences (ignored targets) to one length "
+                            "(a convolution's positions are its output positions: keep "
+                            "its output as long as the sequence, e.g. stride 1 and "
+                            "causal or 'same' padding)."
+                        )
+            if isinstance(M, LowRank):
+                part = M.products(value, per_token)
+            elif per_token:
+                part = sum(site.token_products(M.reshape(n_query, *site.shape)) for site in value)
+            else:
+                part = self._pair_products(name, value, M, n_query, ghost)
+            key = name.rpartition(".")[0] if per_module else ""
+            totals[key] = part if key not in totals else totals[key] + part
+        return totals
+
+    @staticmethod
+    def _pair_products(
+        name: str, value: list[Site], M: Tensor, n_query: int, ghost: Mapping[str, Site | None]
+    ) -> Tensor:
+        """`[Q, N]` products of a parameter's full query rows with its training sites."""
+        if len(value) == 1 and value[0].kind == "outer":
+            site = value[0]
+            q_site = ghost.get(name)
+            how = choose(site, n_query, q_site.positions if q_site is not None else None)
+            if how == "ghost":
+                return site.ghost_products(q_site)
+            if how == "factored":
+                return site.token_products(M.reshape(n_query, *site.shape)).sum(-1)
+        return M @ dense(value).flatten(1).T
+
+    def _scores_to_disk(
+        self,
+        query: Mapping[str, Tensor | LowRank],
+        n_query: int,
+        ghost: Mapping[str, Site | None],
+        train_data: Iterable,
+        progress: bool,
+        per_token: bool,
+        factored: bool,
+        per_module: bool,
+        out_dir: Any,
+        chunk_size: int,
+        dtype: torch.dtype | None,
+        options: Mapping[str, Any],
+    ) -> Tensor | dict[str, Tensor]:
+        """`scores` written chunk by chunk to `out_dir` (resumed where a manifest is there)."""
+        key = tensor_hash(
+            _FORMAT,
+            self.strategy,
+            self.damping,
+            self.info,
+            [b.state() for b in self.blocks] if self.blocks is not None else None,
+            self.model.state_dict(),
+            dict(query),
+            dict(options),
+        )
+        store = ScoreChunks(out_dir, key, chunk_size, options)
+        if store.manifest["complete"]:
+            return read_scores(out_dir)
+        chunk_size = store.chunk_size
+        waiting: deque[tuple[int, str]] = deque()
+        seen = [0]
+
+        def pending() -> Iterator[Any]:
+            """The batches of unfinished chunks; those of finished ones are checked, skipped."""
+            skipped: tuple[int, list[str]] | None = None
+            for i, batch in enumerate(train_data):
+                chunk = i // chunk_size
+                if skipped is not None and skipped[0] != chunk:
+                    store.check(*skipped)
+                    skipped = None
+                seen[0] = i + 1
+                digest_of = batch_digest(batch)
+                if store.done(chunk):
+                    skipped = skipped or (chunk, [])
+                    skipped[1].append(digest_of)
+                    continue
+                waiting.append((i, digest_of))
+                yield batch
+            if skipped is not None:
+                store.check(*skipped)
+
+        batches = pending()
+        first = next(batches, None)
+        if first is not None:
+            buffer: list[dict[str, Tensor]] = []
+            digests: list[str] = []
+            length: list[int | None] = [None]
+            chunk = 0
+            data = itertools.chain([first], batches)
+            for _, sites in self._sites(data, progress, per_token, factored, "gradients"):
+                i, digest_of = waiting.popleft()
+                chunk = i // chunk_size
+                buffer.append(
+                    self._batch_scores(query, n_query, ghost, sites, per_token, per_module, length)
+                )
+                digests.append(digest_of)
+                del sites
+                if len(buffer) == chunk_size:
+                    store.write(chunk, _joined(buffer, n_query, per_module, dtype), digests)
+                    buffer, digests = [], []
+            if buffer:
+                store.write(chunk, _joined(buffer, n_query, per_module, dtype), digests)
+        store.finish(seen[0])
+        return read_scores(out_dir)
+
+    def query_rank_error(
+        self,
+        query_data: Iterable,
+        train_data: Iterable,
+        ranks: Iterable[int],
+        progress: bool = False,
+        query_rank_norm: str = "fisher",
+    ) -> dict[int, float]:
+        """`{r: ‖S_r − S‖_F / ‖S‖_F}`: what `scores(..., query_rank=r)` costs on these data.
+
+        `S` are the full scores, `S_r` those of the rank-r query gradients (truncated in
+        `query_rank_norm`, see `scores`), all from one sweep over `train_data` (a sample of the
+        training set is enough to choose r).
+        """
+        full, n_query, ghost = self._query(query_data, progress, True)
+        shapes = {name: tuple(p.shape) for name, p in self.sweep.trainable()}
+        ranks = sorted({int(r) for r in ranks})
+        if not ranks or ranks[0] < 1:
+            raise ValueError(f"ranks must be positive integers, got {ranks}.")
+        if query_rank_norm not in ("fisher", "frobenius"):
+            raise ValueError(
+                f"query_rank_norm must be 'fisher' or 'frobenius', got {query_rank_norm!r}."
+            )
+        weights = self._rank_weights(shapes) if query_rank_norm == "fisher" else {}
+        low = {
+            r: {n: compress(v, shapes[n], r, weights.get(n)) for n, v in full.items()}
+            for r in ranks
+        }
+        errors = dict.fromkeys(ranks, 0.0)
+        norm = 0.0
+        length: list[int | None] = [None]
+        for _, sites in self._sites(train_data, progress, False, True, "gradients"):
+            exact = self._batch_scores(full, n_query, ghost, sites, False, False, length)[""]
+            norm += float(exact.double().square().sum())
+            for r in ranks:
+                approx = self._batch_scores(low[r], n_query, {}, sites, False, False, length)[""]
+                errors[r] += float((approx - exact).double().square().sum())
+            del sites
+        return {r: (errors[r] / norm) ** 0.5 if norm > 0 else 0.0 for r in ranks}
 
     def self_scores(
         self,
@@ -484,9 +743,52 @@ class Influence:
             "info": self.info,
         }
 
-    def save(self, path: Any) -> None:
-        """`torch.save` the fit (plain tensors: `load` reads it with `weights_only=True`)."""
-        torch.save(self.state(), path)
+    def save(self, path: Any, dtype: torch.dtype | None = None, per_module: bool = False) -> None:
+        """`torch.save` the fit (plain tensors: `load` reads it with `weights_only=True`).
+
+        Args:
+            path: The file, or with `per_module=True` the folder.
+            dtype: Store the eigenvectors and eigenvalues in this dtype (e.g. `torch.bfloat16`
+                to halve them; `load` casts them back to the parameters' dtype); None: as they
+                are (the parameters' dtype).
+            per_module: Write a folder with `fit.pt` and one file per block (a parameter, or a
+                layer with a folded bias) under `blocks/`, each loadable on its own
+                (`load_block`).
+        """
+        state = self.state()
+        if dtype is not None:
+            self._check_storable(dtype)
+            state["blocks"] = [_stored(b, dtype) for b in state["blocks"] or []] or None
+        if per_module:
+            save_blocks(path, state)
+        else:
+            torch.save(state, path)
+
+    def _check_storable(self, dtype: torch.dtype) -> None:
+        """Refuse a storage dtype that changes a block's `1 / (values + λ)` beyond its rounding.
+
+        The eigenvalues are stored divided by a power of two near their largest (`_stored`).
+        Rounding to `dtype` changes each by at most half its unit in the last place, so the
+        damped inverse by less than `eps(dtype)` relative: more (an eigenvalue that underflows
+        while it still matters next to λ: float16's narrow range) is refused. Eigenvectors
+        (entries of at most 1 in magnitude) only round.
+        """
+        if self.blocks is None:
+            return
+        eps = torch.finfo(dtype).eps
+        for b in self.blocks:
+            scale = _power_of_two(b.values)
+            values = (b.values / scale).to(dtype).to(b.values) * scale
+            rounded = EigenBlock(b.name, b.shape, [], values, False)
+            rounded.bias = b.bias
+            before, after = self._scale(b), self._scale(rounded)
+            error = float(((after - before).abs() / before.abs().clamp_min(1e-300)).max())
+            if not error <= eps:
+                raise ValueError(
+                    f"Storing the fit in {dtype} changes block {b.name}'s damped inverse by "
+                    f"{error:.2g} relative (its eigenvalues leave {dtype}'s range); store it in "
+                    "torch.bfloat16 (float32's range) or float32."
+                )
 
     @classmethod
     def load(
@@ -497,16 +799,25 @@ class Influence:
         normaliser: Normaliser | None = None,
         num_samples: Callable[[Any], int] | None = None,
     ) -> Influence:
-        """A fit saved with `save`, for `model` (same trainable parameters) and `lossfunc`.
+        """A fit saved with `save` (a file or a per-module folder), for `model` and `lossfunc`.
+
+        The model must have the fit's trainable parameters; stored tensors are cast to the
+        dtype of its parameters.
 
         Raises:
             ValueError: For another format, or parameters that differ from the fit's.
         """
-        device = next(p.device for _, p in trainable(model))
-        state = torch.load(path, map_location=device, weights_only=True)
+        device, dtype = next((p.device, p.dtype) for _, p in trainable(model))
+        if is_block_folder(path):
+            state = load_head(path, device)
+            state["blocks"] = load_block_states(path, device)
+        else:
+            state = torch.load(path, map_location=device, weights_only=True)
         if not isinstance(state, dict) or state.get("format") != _FORMAT:
             raise ValueError(f"{path} does not hold an influence fit (format {_FORMAT}).")
         blocks = state["blocks"]
+        if blocks is not None:  # stored in another dtype: the model's
+            blocks = [_restored(b, dtype) for b in blocks]
         return cls(
             model,
             lossfunc,
@@ -707,6 +1018,65 @@ def load(
 ) -> Influence:
     """`Influence.load`: a fit saved with `Influence.save`, for `model` and `lossfunc`."""
     return Influence.load(path, model, lossfunc, normaliser, num_samples)
+
+
+def _joined(
+    columns: list[dict[str, Tensor]], n_query: int, per_module: bool, dtype: torch.dtype | None
+) -> Tensor | dict[str, Tensor]:
+    """The batches' scores side by side (per module, or the total), in `dtype`."""
+    if not columns:
+        return torch.zeros(n_query, 0, dtype=dtype)
+    out = {}
+    for key in columns[0]:
+        value = torch.cat([c[key] for c in columns], dim=1)
+        stored = value.to(dtype or value.dtype)
+        if not torch.equal(stored.isfinite(), value.isfinite()):
+            raise ValueError(
+                f"Scores of magnitude up to {float(value.abs().max()):.3g} overflow {dtype}; "
+                "use dtype=torch.bfloat16 (float32's range) or float32."
+            )
+        out[key] = stored
+    return out if per_module else out[""]
+
+
+def load_block(path: Any, name: str, dtype: torch.dtype | None = None) -> EigenBlock:
+    """One block of a fit saved with `save(path, per_module=True)`, by its name, on the CPU.
+
+    `name`: the block's parameter name (the weight's for a folded bias); `dtype`: cast to it
+    (None: as stored, float32 for a half-precision file).
+    """
+    state = load_block_state(path, name)
+    if dtype is None:
+        dtype = state["values"].dtype
+        dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    return EigenBlock.from_state(_restored(state, dtype))
+
+
+def _power_of_two(values: Tensor) -> float:
+    """A power of two near `max |values|` (1 for zeros): dividing by it is exact."""
+    top = float(values.abs().max()) if values.numel() else 0.0
+    return 2.0 ** round(math.log2(top)) if top > 0 and math.isfinite(top) else 1.0
+
+
+def _stored(block: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """A block's state in `dtype`, its eigenvalues divided by `values_scale` (a power of two).
+
+    float16's range is narrow (6e-8 to 65504): eigenvalues of a Fisher (often ~1e-6 and below)
+    would underflow unscaled.
+    """
+    scale = _power_of_two(block["values"])
+    out = cast_floats({**block, "values": block["values"] / scale}, dtype)
+    out["values_scale"] = scale
+    return out
+
+
+def _restored(block: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """Inverse of `_stored` (any block state), the tensors in `dtype`."""
+    out = cast_floats(dict(block), dtype)
+    scale = out.pop("values_scale", None)
+    if scale is not None:
+        out["values"] = out["values"] * scale
+    return out
 
 
 def _gathered(local: Callable[[], Tensor], dim: int, what: str) -> Tensor:

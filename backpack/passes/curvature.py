@@ -81,37 +81,61 @@ def nearest_kronecker(pairs: list[list[Tensor]]) -> list[Tensor]:
     """
     rs, cs = [r for r, _ in pairs], [c for _, c in pairs]
     gram_r, gram_c = _gram_of_flattened(rs), _gram_of_flattened(cs)
-    values, vectors = torch.linalg.eig(gram_c @ gram_r)
-    x = vectors[:, values.real.argmax()].real
-    x = x * (1.0 if float(x.sum()) >= 0 else -1.0)
-    weight = float(x @ gram_r @ x)
-    if weight <= 0:
-        return [torch.zeros_like(rs[0]), torch.zeros_like(cs[0])]
-    y = gram_r @ x / weight
+    x = _leading_eigenvector(gram_c @ gram_r)
+    x = x * torch.where(x.sum() >= 0, 1.0, -1.0)
+    weight = x @ gram_r @ x
+    ok = weight > 0  # both factors zero where the sum is zero
+    y = torch.where(ok, gram_r @ x / torch.where(ok, weight, 1.0), 0.0)
+    x = torch.where(ok, x, 0.0)
     # combined in place, in the factors' own dtype: a vocabulary-sized factor ([V, V] of a tied
     # embedding and output layer) must not be stacked or copied to float64
-    return [_combine(rs, x.tolist()), _combine(cs, y.tolist())]
+    return [_combine(rs, x), _combine(cs, y)]
+
+
+def _leading_eigenvector(mat: Tensor) -> Tensor:
+    """An eigenvector of the largest eigenvalue of `mat` (`[U, U]`, real spectrum).
+
+    For the usual two uses of a tied weight it is the 2 x 2 closed form, computed where `mat`
+    lives without reading a value on the host (a GPU does not wait; meta tensors are counted).
+    """
+    if mat.shape[0] != 2:
+        values, vectors = torch.linalg.eig(mat)
+        return vectors[:, values.real.argmax()].real
+    (a, b), (c, d) = mat
+    root = ((a - d).square() + 4 * b * c).clamp_min(0).sqrt()
+    top = (a + d + root) / 2
+    # (mat - top I) x = 0: either row gives x; the longer candidate is the better conditioned
+    first, second = torch.stack([b, top - a]), torch.stack([top - d, c])
+    x = torch.where(first.norm() >= second.norm(), first, second)
+    # a diagonal matrix (both candidates zero): the unit vector of its larger entry
+    unit = torch.stack([(a >= d).to(mat.dtype), (a < d).to(mat.dtype)])
+    x = torch.where(x.norm() > 0, x, unit)
+    return x / x.norm()
 
 
 def _gram_of_flattened(mats: list[Tensor]) -> Tensor:
-    """`[U, U]` float64 Gram matrix of the flattened `mats`.
+    """`[U, U]` float64 Gram matrix of the flattened `mats`, where they live.
 
     Dot products row by row in the factors' dtype, summed in float64: no float64 copy of a
     vocabulary-sized factor.
     """
     rows = [m.reshape(m.shape[0] if m.dim() > 1 else 1, -1) for m in mats]
-    gram = torch.empty(len(rows), len(rows), dtype=torch.float64)
+    entries = {}
     for u, ru in enumerate(rows):
         for v in range(u, len(rows)):
-            gram[u, v] = gram[v, u] = float(torch.einsum("ij,ij->i", ru, rows[v]).double().sum())
-    return gram
+            entries[u, v] = torch.einsum("ij,ij->i", ru, rows[v]).double().sum()
+    n = len(rows)
+    return torch.stack(
+        [torch.stack([entries[min(u, v), max(u, v)] for v in range(n)]) for u in range(n)]
+    )
 
 
-def _combine(mats: list[Tensor], weights: list[float]) -> Tensor:
-    """`Σᵤ weights[u] · mats[u]` in one new tensor."""
+def _combine(mats: list[Tensor], weights: Tensor) -> Tensor:
+    """`Σᵤ weights[u] · mats[u]` in one new tensor (`weights` where `mats` live)."""
+    weights = weights.to(mats[0].dtype)
     result = mats[0] * weights[0]
-    for m, w in zip(mats[1:], weights[1:]):
-        result.add_(m, alpha=w)
+    for u, m in enumerate(mats[1:], 1):
+        result.addcmul_(m, weights[u])
     return result
 
 

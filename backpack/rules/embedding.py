@@ -27,8 +27,58 @@ from torch import Tensor, nn
 from backpack.recording import Record
 from backpack.rules.base import GradOutputs, ModuleRule, Names, gram, register_rule
 
-#: largest vocabulary for which the Kronecker input factor (a dense `[V, V]` matrix) is formed
-MAX_KRON_VOCABULARY = 8192
+#: a fixed largest vocabulary for the Kronecker input factor (a dense `[V, V]` matrix); None:
+#: decided by memory (`kron_vocabulary_fits`)
+MAX_KRON_VOCABULARY: int | None = None
+#: vocabularies up to this size always get their factors (`[V, V]` at most 268 MB in float32)
+KRON_VOCABULARY_ALWAYS = 8192
+#: the share of the device's free memory a layer's dense `[V, V]` factors may take
+KRON_MEMORY_SHARE = 0.5
+#: dense `[V, V]` matrices alive at once for one layer: its input factor, a tied output layer's
+#: output factor and their combination (`passes.curvature.nearest_kronecker`)
+_KRON_VV_COPIES = 3
+
+
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Bytes free on `device` now, None where unknown (meta tensors, other devices).
+
+    CUDA: the driver's count; CPU: Linux's MemAvailable.
+    """
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None
+
+
+def kron_vocabulary_fits(vocab: int, dtype: torch.dtype, device: torch.device) -> tuple[bool, str]:
+    """Whether an embedding of `vocab` rows gets Kronecker factors, and why not if it does not.
+
+    A fixed `MAX_KRON_VOCABULARY` decides alone. Otherwise vocabularies up to
+    `KRON_VOCABULARY_ALWAYS` always do; larger ones when the dense `[V, V]` matrices a layer holds
+    at once take at most `KRON_MEMORY_SHARE` of the memory free on the device (meta tensors,
+    which hold none, always fit).
+    """
+    if MAX_KRON_VOCABULARY is not None:
+        if vocab <= MAX_KRON_VOCABULARY:
+            return True, ""
+        return False, f"above backpack.rules.embedding.MAX_KRON_VOCABULARY = {MAX_KRON_VOCABULARY}"
+    if vocab <= KRON_VOCABULARY_ALWAYS:
+        return True, ""
+    need = _KRON_VV_COPIES * vocab * vocab * torch.empty((), dtype=dtype).element_size()
+    free = free_memory_bytes(device)
+    if free is None or need <= KRON_MEMORY_SHARE * free:
+        return True, ""
+    return False, (
+        f"its dense [{vocab}, {vocab}] factors need {need / 2**20:,.0f} MiB at once, more than "
+        f"{KRON_MEMORY_SHARE:g} of the {free / 2**20:,.0f} MiB free on {device}"
+    )
 
 
 def _rows(record: Record, grad_outputs: GradOutputs) -> tuple[Tensor, Tensor]:
@@ -185,13 +235,26 @@ class EmbeddingRule(ModuleRule):
 
         The one-hot input of position t, scaled as the gradient is (0 at `padding_idx`, 1/count with
         `scale_grad_by_freq`), gives A; the factor at the output gives G, with positions treated
-        as in `LinearRule` ("expand": as samples; "reduce": averaged / summed first). None for
-        vocabularies above `MAX_KRON_VOCABULARY` (A would be a dense `[V, V]` matrix).
+        as in `LinearRule` ("expand": as samples; "reduce": averaged / summed first).
+
+        Raises:
+            NotImplementedError: When the dense `[V, V]` factor does not fit
+                (`kron_vocabulary_fits`).
         """
         module = record.module
         vocab = module.num_embeddings
-        if "weight" not in names or vocab > MAX_KRON_VOCABULARY:
+        if "weight" not in names:
             return None
+        out = record.outputs[0]
+        fits, why = kron_vocabulary_fits(vocab, out.dtype, out.device)
+        if not fits:
+            raise NotImplementedError(
+                f"Kronecker factors (KFAC, KFLR, KFRA) of {module!r}: {why}. Freeze its weight "
+                "(`weight.requires_grad_(False)`, which also freezes an output layer tied to "
+                "it), use a diagonal (DiagGGNExact, DiagGGNMC) for it, or free memory; "
+                "`backpack.rules.embedding.KRON_MEMORY_SHARE` sets the share of free memory "
+                "the factors may take."
+            )
         idx = record.args[0]
         n = idx.shape[0]
         idx = idx.reshape(n, -1).long()

@@ -29,10 +29,11 @@ def _rearranged(matrix, shape_r, shape_c):
     return blocks.reshape(a * a, b * b)
 
 
-def test_nearest_kronecker_is_the_best_rank_one_rearrangement():
+@pytest.mark.parametrize("uses", [2, 3])
+def test_nearest_kronecker_is_the_best_rank_one_rearrangement(uses):
     torch.manual_seed(0)
     pairs = []
-    for _ in range(3):
+    for _ in range(uses):
         r, c = torch.randn(4, 4, dtype=DT), torch.randn(3, 3, dtype=DT)
         pairs.append([r @ r.T, c @ c.T])
     total = sum(torch.kron(r, c) for r, c in pairs)
@@ -42,6 +43,31 @@ def test_nearest_kronecker_is_the_best_rank_one_rearrangement():
     close(torch.outer(r.flatten(), c.flatten()), best)
     # positive semi-definite factors give positive semi-definite factors
     assert torch.linalg.eigvalsh(r).min() > -1e-10 and torch.linalg.eigvalsh(c).min() > -1e-10
+
+
+def test_nearest_kronecker_of_two_uses_in_edge_cases_and_without_host_reads():
+    """Orthogonal factors (diagonal Gram matrices, both orders of the larger use), zero factors,
+    and meta tensors (any read of a value on the host fails there: a GPU would wait)."""
+    r1, r2 = (
+        torch.diag(torch.tensor([1.0, 0, 0], dtype=DT)),
+        torch.diag(torch.tensor([0, 2.0, 0], dtype=DT)),
+    )
+    c1, c2 = (
+        torch.diag(torch.tensor([1.0, 0], dtype=DT)),
+        torch.diag(torch.tensor([0, 3.0], dtype=DT)),
+    )
+    for pairs, expected in (
+        ([[r1, c1], [r2, c2]], torch.kron(r2, c2)),  # the larger use wins
+        ([[r2, c2], [r1, c1]], torch.kron(r2, c2)),
+    ):
+        r, c = curvature.nearest_kronecker(pairs)
+        close(torch.kron(r, c), expected)
+    zero = torch.zeros(3, 3, dtype=DT), torch.zeros(2, 2, dtype=DT)
+    r, c = curvature.nearest_kronecker([list(zero), list(zero)])
+    assert not r.any() and not c.any()
+    meta = [[torch.empty(5, 5, device="meta"), torch.empty(2, 2, device="meta")]] * 2
+    r, c = curvature.nearest_kronecker(meta)
+    assert r.shape == (5, 5) and c.shape == (2, 2) and r.device.type == "meta"
 
 
 def test_nearest_kronecker_of_equal_input_factors_is_their_exact_sum():
@@ -93,8 +119,13 @@ def test_a_layer_applied_twice_gets_the_nearest_kronecker_of_its_uses():
     x, y = _data()
     torch.manual_seed(0)
     tied = TwiceLinear().to(DT)
-    untied = nn.Sequential(copy.deepcopy(tied.inner), nn.Tanh(), copy.deepcopy(tied.inner),
-                           nn.Tanh(), copy.deepcopy(tied.head))
+    untied = nn.Sequential(
+        copy.deepcopy(tied.inner),
+        nn.Tanh(),
+        copy.deepcopy(tied.inner),
+        nn.Tanh(),
+        copy.deepcopy(tied.head),
+    )
 
     for model in (tied, untied):
         extend(model)
@@ -127,8 +158,12 @@ def test_tied_embedding_and_head_factors_are_oriented_as_the_weight_is_stored():
     idx, y = torch.randint(0, 7, (6, 3)), torch.randint(0, 7, (6 * 3,))
     tied = TiedLM().to(DT)
     untied = TiedLM(tie=False).to(DT)
-    untied.load_state_dict({"embed.weight": tied.embed.weight.detach(),
-                            "head.weight": tied.embed.weight.detach().clone()})
+    untied.load_state_dict(
+        {
+            "embed.weight": tied.embed.weight.detach(),
+            "head.weight": tied.embed.weight.detach().clone(),
+        }
+    )
     lossfunc = extend(nn.CrossEntropyLoss())
     for model in (tied, untied):
         extend(model)
@@ -177,3 +212,40 @@ def test_kfra_of_an_embedding_before_a_linear_layer_equals_kflr():
         assert len(p.kfra) == len(p.kflr)
         for a, b in zip(p.kfra, p.kflr):
             torch.testing.assert_close(a, b)
+
+
+def test_large_vocabularies_are_decided_by_free_memory(monkeypatch):
+    """Above `KRON_VOCABULARY_ALWAYS` an embedding gets its [V, V] factor when three such
+    matrices take at most `KRON_MEMORY_SHARE` of the free memory, and a clear refusal naming
+    the sizes and what to do otherwise; a fixed `MAX_KRON_VOCABULARY` decides alone."""
+    import backpack.rules.embedding as embedding
+
+    torch.manual_seed(0)
+    idx, y = torch.randint(0, 7, (6, 3)), torch.randint(0, 7, (6 * 3,))
+    lossfunc = extend(nn.CrossEntropyLoss())
+
+    def factors():
+        torch.manual_seed(1)
+        model = extend(TiedLM().to(DT))
+        with backpack(KFLR()):
+            lossfunc(model(idx).reshape(-1, 7), y).backward()
+        return model.embed.weight.kflr
+
+    expected = factors()
+    free_memory_bytes = embedding.free_memory_bytes
+    assert free_memory_bytes(torch.device("meta")) is None
+    assert free_memory_bytes(torch.device("cpu")) > 0
+    monkeypatch.setattr(embedding, "KRON_VOCABULARY_ALWAYS", 4)
+    need = 3 * 7 * 7 * 8  # three [7, 7] float64 matrices
+    monkeypatch.setattr(embedding, "free_memory_bytes", lambda device: 2 * need)
+    for a, b in zip(factors(), expected):
+        close(a, b)
+    monkeypatch.setattr(embedding, "free_memory_bytes", lambda device: 2 * need - 1)
+    with pytest.raises(NotImplementedError, match=r"Embedding\(7, 4\).*\[7, 7\].*free on cpu"):
+        factors()
+    monkeypatch.setattr(embedding, "MAX_KRON_VOCABULARY", 7)  # fixed: memory not asked
+    for a, b in zip(factors(), expected):
+        close(a, b)
+    monkeypatch.setattr(embedding, "MAX_KRON_VOCABULARY", 6)
+    with pytest.raises(NotImplementedError, match="MAX_KRON_VOCABULARY = 6"):
+        factors()
