@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from backpack.api import backpack, extend
 from backpack.curvature import EKFAC, KFAC
+from backpack.curvature._distributed import check_not_fully_sharded
 from backpack.curvature._sweep import Sweep
 from backpack.extensions import (
     BatchGrad,
@@ -306,6 +307,9 @@ class _BackpackBackend:
                 "separate_weight_and_bias=True with hessian_structure='kron', or "
                 "hessian_structure='ekfac' (which folds them)."
             )
+        # the factors of an FSDP2 model stay on their owner ranks; laplace-torch's Kron needs
+        # every layer's on every rank
+        check_not_fully_sharded(self._flat, "backpack.laplace")
         M = self._num_samples(X)
         seed = _seed() if fisher_type == "mc" else 0
         with self._only_selected():

@@ -67,14 +67,14 @@ def process_group(distributed: bool | None, what: str) -> Any:
     return _dist._group()
 
 
-def check_not_fully_sharded(model: nn.Module, what: str) -> None:
+def check_not_fully_sharded(model: nn.Module, what: str, why: str | None = None) -> None:
     """Refuse a model with FSDP2-sharded (`fully_shard`) parameters (operators, KFAC).
 
     Raises:
         NotImplementedError: Naming what `accumulate` supports and the replicated-copy recipe.
     """
     if is_fully_sharded(model):
-        raise refuse(what)
+        raise refuse(what, why)
 
 
 def local_module(model: Any) -> Any:

@@ -26,6 +26,7 @@ averaged over ranks, into `.grad`).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -39,7 +40,14 @@ from backpack.curvature._data import (
     fingerprint,
     trainable,
 )
-from backpack.curvature._quantities import BatchScale, Kind, Rows, Summed, VarianceKind
+from backpack.curvature._quantities import (
+    BatchScale,
+    Kind,
+    KronKind,
+    Rows,
+    Summed,
+    VarianceKind,
+)
 from backpack.extensions.backprop_extension import BackpropExtension
 
 #: torch.distributed's reduce-scatter of one flat tensor (renamed in newer torch)
@@ -48,7 +56,8 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 #: what a sweep of an FSDP2 model supports (named in errors)
 SUPPORTED = (
     "the gradient, SumGradSquared, Variance, DiagGGNExact, DiagGGNMC, DiagHessian (each rank "
-    "keeps its shard) and BatchL2Grad (this rank's rows)"
+    "keeps its shard), BatchL2Grad (this rank's rows), KFLR and KFAC (each layer's factors on "
+    "one owner rank), and the operator KFAC"
 )
 
 
@@ -59,11 +68,12 @@ def is_fully_sharded(model: nn.Module) -> bool:
     return any("FSDP" in type(m).__name__ for m in model.modules())
 
 
-def refuse(what: str) -> NotImplementedError:
-    """The error of a curvature tool that does not support FSDP2 models."""
+def refuse(what: str, why: str | None = None) -> NotImplementedError:
+    """The error of a curvature tool that does not support FSDP2 models (`why`: the reason)."""
+    why = why or "its products or factors need whole parameters on every rank"
     return NotImplementedError(
-        f"{what} does not support a model sharded with FSDP2 (fully_shard): its products or "
-        "factors need whole parameters on every rank. accumulate(model, lossfunc, data, "
+        f"{what} does not support a model sharded with FSDP2 (fully_shard): {why}. "
+        "accumulate(model, lossfunc, data, "
         f"extensions) does: {SUPPORTED}. For {what}, sweep a replicated copy: load "
         "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)) into an "
         "unsharded instance of the model and use it with distributed=True (docs: 'Curvature of "
@@ -113,6 +123,41 @@ class _Shard:
         return getattr(self.fsdp_param, "_unsharded_param", None)
 
 
+class _Owned:
+    """A whole tensor that one rank (`owner`) receives: `_reduce_scatter`'s other item kind.
+
+    It answers like a `_Shard` whose chunk for the owner is everything and empty for the rest.
+    """
+
+    def __init__(self, owner: int, shape: tuple[int, ...], world: int) -> None:
+        self.owner = owner
+        self.shape = tuple(shape)
+        self.chunk_of = {g: g for g in range(world)}
+
+    def chunk_shape(self, index: int) -> tuple[int, ...]:
+        return self.shape if index == self.owner else (0,)
+
+    def chunk(self, value: Tensor, index: int) -> Tensor:
+        return value if index == self.owner else value.new_empty(0)
+
+
+def assign_owners(sizes: dict[str, int], world: int) -> dict[str, int]:
+    """Each name's owner rank, balancing the summed `sizes` (bytes) over the ranks.
+
+    Greedy: the largest first, each to the least loaded rank (the lowest rank on ties), so
+    every rank computes the same assignment from the same sizes.
+    """
+    load = [0] * world
+    owners: dict[str, int] = {}
+    position = {name: i for i, name in enumerate(sizes)}
+    order = sorted(sizes, key=lambda n: (-sizes[n], position[n]))
+    for name in order:
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owners[name] = rank
+        load[rank] += sizes[name]
+    return {name: owners[name] for name in sizes}
+
+
 def _fsdp_params(model: nn.Module) -> dict[int, Any]:
     """`{id(sharded parameter): FSDPParam}` of every FSDP2 module in `model`."""
     found: dict[int, Any] = {}
@@ -160,20 +205,20 @@ def shards(model: nn.Module, group: Any) -> list[_Shard]:
 
 
 def check_kinds(kinds: dict[str, Kind], callback: Any) -> None:
-    """Refuse what a sharded sweep does not support (per-sample rows, Kronecker factors)."""
+    """Refuse what a sharded sweep does not support (per-sample rows, callbacks)."""
     if callback is not None:
         raise NotImplementedError(
             "accumulate(callback=...) does not support a model sharded with FSDP2 (fully_shard); "
             f"it supports {SUPPORTED}."
         )
     for field, kind in kinds.items():
-        if isinstance(kind, (Summed, VarianceKind)) or field == "batch_l2":
+        if isinstance(kind, (Summed, VarianceKind, KronKind)) or field == "batch_l2":
             continue
         raise NotImplementedError(
             f"accumulate cannot sweep {field!r} on a model sharded with FSDP2 (fully_shard): "
-            f"it supports {SUPPORTED}. Per-sample rows of whole parameters and Kronecker factors "
-            "need unsharded parameters: sweep a replicated copy (docs: 'Curvature of a data "
-            "set', 'Distributed sweeps')."
+            f"it supports {SUPPORTED}. Per-sample rows of whole parameters need unsharded "
+            "parameters: sweep a replicated copy (docs: 'Curvature of a data set', "
+            "'Distributed sweeps')."
         )
 
 
@@ -284,6 +329,8 @@ def sharded_sweep(
     nu_total, samples, batches, signature = 0.0, 0, 0, None
     ref_scale: float | None = None
     ref_count: int | None = None
+    kron = [f for f, kind in kinds.items() if isinstance(kind, KronKind)]
+    owners: dict[str, int] | None = None  # each parameter's owner of its Kronecker factors
 
     def keep_grad(p: Tensor) -> None:
         grads[id(p)] = p.grad.detach().clone()
@@ -334,13 +381,28 @@ def sharded_sweep(
                 values = _take(params, kinds, grads, skip=sweep.empty(nu))
             except Exception as err:  # noqa: BLE001 - agreed with the other ranks first
                 error = err
-            head = [float(error is not None), nu, float(batch.num_samples), setup]
+            layout = {}
+            if error is None:
+                layout = {
+                    f: {n: [tuple(t.shape) for t in values[f][n]] for n in names} for f in kron
+                }
+            head = [float(error is not None), nu, float(batch.num_samples), setup, digest(layout)]
             table = _gather(group, head, "exchange the batch's normalisers")
             _agreed(table, error, f"in batch {batches}")
             if len(set(table[:, 3].tolist())) > 1:
                 raise RuntimeError(
                     "accumulate (FSDP2): the ranks swept different extensions or reductions."
                 )
+            if len(set(table[:, 4].tolist())) > 1:
+                raise RuntimeError(
+                    "accumulate (FSDP2): the ranks' Kronecker factors have different shapes "
+                    f"(this rank's: {layout}); every rank must sweep the same model."
+                )
+            if owners is None and kron:  # the same sizes on every rank: the same owners
+                sizes = {
+                    n: sum(math.prod(shape) for f in kron for shape in layout[f][n]) for n in names
+                }
+                owners = assign_owners(sizes, world)
             batch_nu, batch_count = float(table[:, 1].sum()), int(table[:, 2].sum())
             scale = sweep.scale(nu)
             if ref_scale is None and reduction == "mean" and batch_nu != 0:
@@ -348,8 +410,13 @@ def sharded_sweep(
             if ref_count is None:
                 ref_count = batch_count
             rel = scale / (ref_scale or 1.0)
-            info = BatchScale(index=batches, scale=rel, num_samples=batch.num_samples)
-            _add(params, kinds, states, grad_state, values, info, batch_count, group)
+            info = BatchScale(
+                index=batches,
+                scale=rel,
+                num_samples=batch.num_samples,
+                count_scale=batch.num_samples / ref_count,
+            )
+            _add(params, kinds, states, grad_state, values, info, batch_count, group, owners)
             values.clear()
             nu_total += batch_nu
             samples += batch_count
@@ -383,6 +450,7 @@ def sharded_sweep(
         "ref_count": ref_count or 1,
         "ranks": world,
         "sharded": True,
+        "owners": owners,
     }
 
 
@@ -414,6 +482,8 @@ def _take(params: list[_Shard], kinds, grads, skip: bool) -> dict[str, dict[str,
                     f"Parameter {s.name} got no {f!r} in this batch (is its layer supported by "
                     "this extension? see the warnings)."
                 )
+            if skip and isinstance(kinds[f], KronKind):
+                kinds[f].skip(None, BatchScale(0, 1.0, 0), s.name, s.param)  # raises
             values[f][s.name] = value
             _clean(s, [f])
     return values
@@ -427,9 +497,16 @@ def _clean(s: _Shard, fields) -> None:
                 delattr(holder, f)
 
 
-def _add(params, kinds, states, grad_state, values, info: BatchScale, batch_count, group) -> None:
-    """Reduce-scatter one batch's scaled contributions and add them to the shard states."""
-    items: list[tuple[_Shard, Tensor]] = []
+def _add(
+    params, kinds, states, grad_state, values, info: BatchScale, batch_count, group, owners
+) -> None:
+    """Reduce-scatter one batch's scaled contributions and add them to the shard states.
+
+    Kronecker factors go whole to their parameter's owner (`owners`); the other ranks keep
+    shape-only placeholders (tensors on the meta device).
+    """
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    items: list[tuple[Any, Tensor]] = []
     slots: list[tuple[str, str, str]] = []  # (field, name, part)
     for s in params:
         dtype = s.param.dtype  # FSDP's sharded dtype (mixed precision computes in another)
@@ -438,6 +515,17 @@ def _add(params, kinds, states, grad_state, values, info: BatchScale, batch_coun
         slots.append(("grad", s.name, ""))
         for f, kind in kinds.items():
             value = values[f][s.name]
+            if isinstance(kind, KronKind):
+                if len(value) not in (1, 2):
+                    raise ValueError(f"{f} of {s.name} has {len(value)} factors, not 1 or 2.")
+                scales = [info.scale, info.count_scale]
+                for i, factor in enumerate(value):
+                    factor = factor.to(dtype)
+                    if scales[i] != 1:
+                        factor = factor * scales[i]
+                    items.append((_Owned(owners[s.name], tuple(factor.shape), world), factor))
+                    slots.append((f, s.name, f"kron{i}"))
+                continue
             if value is not None and value.is_floating_point():
                 value = value.to(dtype)
             if isinstance(kind, Rows):  # batch_l2: this rank's rows
@@ -462,8 +550,11 @@ def _add(params, kinds, states, grad_state, values, info: BatchScale, batch_coun
     reduced = _reduce_scatter(group, items, "reduce the batch's quantities")
     batch_grad: dict[str, Tensor] = {}
     parts: dict[tuple[str, str], dict[str, Tensor]] = {}
-    for (f, name, part), value in zip(slots, reduced):
-        if f == "grad":
+    kron: dict[tuple[str, str], list[tuple[tuple[int, ...], Tensor]]] = {}
+    for (f, name, part), value, (owned, _) in zip(slots, reduced, items):
+        if part.startswith("kron"):
+            kron.setdefault((f, name), []).append((owned.shape, value))
+        elif f == "grad":
             batch_grad[name] = value
             grad_state[name] = (
                 value.clone() if grad_state[name] is None else grad_state[name] + value
@@ -472,6 +563,14 @@ def _add(params, kinds, states, grad_state, values, info: BatchScale, batch_coun
             parts.setdefault((f, name), {})[part] = value
         else:
             states[f][name] = value.clone() if states[f][name] is None else states[f][name] + value
+    for (f, name), factors in kron.items():
+        if owners[name] == me:
+            states[f][name] = kinds[f].merge(states[f][name], [v.clone() for _, v in factors])
+        elif states[f][name] is None:
+            dtype = factors[0][1].dtype
+            states[f][name] = [
+                torch.empty(shape, dtype=dtype, device="meta") for shape, _ in factors
+            ]
     for (f, name), p in parts.items():
         n = batch_count
         mean = batch_grad[name] / n

@@ -50,6 +50,8 @@ class Accumulated:
             per-sample rows stay on their rank: this rank's rows of the global data set).
         sharded: The sweep of a model sharded with FSDP2 (`fully_shard`): states and gradient
             are this rank's shards of the data-set quantities (`p.to_local()`'s shape).
+        owners: For a sharded sweep with Kronecker factors: `{parameter name: rank}` holding
+            that parameter's whole factors (the other ranks hold none of them).
     """
 
     reduction: str
@@ -67,6 +69,7 @@ class Accumulated:
     ref_count: int = 1
     ranks: int = 1
     sharded: bool = False
+    owners: dict[str, int] | None = None
 
     @property
     def normaliser(self) -> float:
@@ -86,8 +89,14 @@ class Accumulated:
     def quantity(self, savefield: str) -> dict[str, Any]:
         """`{parameter name: value}` of one extension's quantity of the data-set loss.
 
-        Per-sample quantities streamed to a callback are `None`.
+        Per-sample quantities streamed to a callback are `None`; so are, on a model sharded with
+        FSDP2, the Kronecker factors of the parameters another rank owns (`owners`).
         """
+        values = self._quantity(savefield)
+        return {name: None if _placeholder(v) else v for name, v in values.items()}
+
+    def _quantity(self, savefield: str) -> dict[str, Any]:
+        """`quantity`, with shape-only (meta) factors where another rank owns them."""
         if savefield not in self.kinds:
             raise KeyError(f"No {savefield!r} in this result; it holds {self.savefields}.")
         kind = self.kinds[savefield]
@@ -131,6 +140,10 @@ class Accumulated:
                 f"Cannot merge sweeps over batches of different shapes: {self.signature} and "
                 f"{other.signature}."
             )
+        if self.owners != other.owners:
+            raise ValueError(
+                "Cannot merge FSDP2 sweeps whose Kronecker factors have different owner ranks."
+            )
         ratio, count_ratio = other.ref_scale / self.ref_scale, other.ref_count / self.ref_count
         merged = Accumulated(
             reduction=self.reduction,
@@ -154,6 +167,7 @@ class Accumulated:
             ref_count=self.ref_count,
             ranks=max(self.ranks, other.ranks),
             sharded=self.sharded,
+            owners=self.owners,
         )
         if self.stream_total is not None or other.stream_total is not None:
             streamed = {t for t in (self.stream_total, other.stream_total) if t is not None}
@@ -171,7 +185,9 @@ class Accumulated:
 
         On a model sharded with FSDP2 each rank's shards become DTensors laid out like the
         parameter (`p.diag_ggn_exact.to_local()`: this rank's shard; `.full_tensor()`: the whole
-        quantity, a collective), as FSDP2's `.grad`; `batch_l2` rows stay plain tensors.
+        quantity, a collective), as FSDP2's `.grad`; `batch_l2` rows stay plain tensors, and
+        Kronecker factors are plain `[G, A]` lists on their owner rank (`owners`), absent on the
+        other ranks.
 
         Raises:
             ValueError: If `model`'s trainable parameters are not those swept.
@@ -191,6 +207,13 @@ class Accumulated:
                     setattr(p, f, _like(p, values[f][name], shard))
             if gradient is not None:
                 p.grad = _like(p, gradient[name].detach().clone(), self.sharded)
+
+
+def _placeholder(value: Any) -> bool:
+    """Whether `value` is a list of shape-only (meta) factors another rank owns."""
+    return isinstance(value, list) and any(
+        isinstance(v, Tensor) and v.device.type == "meta" for v in value
+    )
 
 
 def _like(p: Tensor, value: Any, sharded: bool) -> Any:
@@ -291,7 +314,8 @@ def accumulate(
             model sharded with FSDP2 (`fully_shard`) is swept with one reduce-scatter per
             batch (every rank needs the same number of batches) and each rank gets its shard
             of the gradient, `SumGradSquared`, `Variance` and the diagonals, written as
-            DTensors like FSDP's `.grad` (docs: "Distributed sweeps").
+            DTensors like FSDP's `.grad`; `KFLR`/`KFAC` factors are whole on one owner rank
+            per parameter (`result.owners`; None on the others) (docs: "Distributed sweeps").
 
     Returns:
         An `Accumulated` result (mergeable with another sweep's, and `write`-able to a model).
@@ -303,7 +327,8 @@ def accumulate(
             sweep refuses").
         NotImplementedError: For `BatchDotGrad`, `KFRA` and the matrix-product extensions; for
             a model sharded with FSDP2 (`fully_shard`), for other extensions than the gradient,
-            `SumGradSquared`, `Variance`, the diagonals and `BatchL2Grad`, and for `callback`.
+            `SumGradSquared`, `Variance`, the diagonals, `BatchL2Grad`, `KFLR` and `KFAC`, and
+            for `callback`.
         RuntimeError: Under torch.distributed, when another rank's sweep failed, or the ranks
             swept different models, extensions or batch shapes.
     """

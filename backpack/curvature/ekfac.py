@@ -40,6 +40,14 @@ from backpack.extensions import DiagGGNExact, DiagGGNMC, SumGradSquared
 
 __all__ = ["EKFAC", "EKFACInverse", "EigenBlock"]
 
+#: why EKFAC refuses FSDP2 models (named in the error)
+_FSDP_WHY = (
+    "its eigenvalue-correction sweep takes every layer's diagonal in that layer's eigenbasis "
+    "inside the backward, so it would need every layer's eigenbases on every rank, a whole "
+    "model's worth of factors per rank (KFAC is supported: each layer's factors on one owner "
+    "rank)"
+)
+
 #: which rows (see `_rows`) give the curvature of each `fisher_type`
 _ROWS = {"type-2": "type-2", "mc": "mc", "empirical": "grad"}
 
@@ -539,8 +547,8 @@ class EKFAC(CurvatureOperator):
     ) -> None:
         model = local_module(model)
         needs_reiterable(data, "EKFAC")
+        check_not_fully_sharded(model, "EKFAC", _FSDP_WHY)
         refuse_unfaithful_gradients(model, "EKFAC")
-        check_not_fully_sharded(model, "KFAC")
         sweep = Sweep(
             model,
             lossfunc,
@@ -565,8 +573,8 @@ class EKFAC(CurvatureOperator):
     ) -> EKFAC:
         """`EKFAC` of a prepared `Sweep` (the data-set layer's own entry; arguments as above)."""
         sweep.needs_reiterable("EKFAC")
+        check_not_fully_sharded(sweep.model, "EKFAC", _FSDP_WHY)
         refuse_unfaithful_gradients(sweep.model, "EKFAC")
-        check_not_fully_sharded(sweep.model, "KFAC")
         op = cls.__new__(cls)
         op._build(sweep, fisher_type, kfac_approx, mc_samples, seed, separate_weight_and_bias)
         return op

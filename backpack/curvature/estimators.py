@@ -11,7 +11,9 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+
+from backpack.curvature._fsdp import is_fully_sharded
 
 __all__ = [
     "eigvalsh",
@@ -28,6 +30,17 @@ def _info(op: Any) -> tuple[int, torch.dtype, torch.device]:
         if op.dim() != 2 or op.shape[0] != op.shape[1]:
             raise ValueError(f"Need a square matrix, got shape {tuple(op.shape)}.")
         return op.shape[0], op.dtype, op.device
+    model = getattr(op, "model", None)
+    if isinstance(model, nn.Module) and is_fully_sharded(model):
+        raise NotImplementedError(
+            f"The estimators of backpack.curvature (traces, diagonals, eigenvalues, spectral "
+            f"densities) do not support {type(op).__name__} of a model sharded with FSDP2 "
+            "(fully_shard): its vectors are each rank's local shards, so the estimators' random "
+            "vectors and inner products would be per rank, not the whole matrix's. Use the "
+            "operator's own trace(), diagonal(), logdet() and eigenvalues() where it has them "
+            "(KFAC: collectives giving the whole matrix's values), or an operator of a "
+            "replicated copy (docs: 'Distributed sweeps')."
+        )
     return op.shape[0], op.dtype, op.device
 
 

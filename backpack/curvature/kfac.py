@@ -24,12 +24,20 @@ from backpack.curvature._blocks import (
     blockwise,
 )
 from backpack.curvature._data import Normaliser, first_tensor
-from backpack.curvature._distributed import all_sum, check_not_fully_sharded, local_module
+from backpack.curvature._distributed import all_sum, local_module
 from backpack.curvature._forward import refuse_unfaithful_gradients
+from backpack.curvature._fsdp import is_fully_sharded
+from backpack.curvature._fsdp_blocks import (
+    ShardedBlocks,
+    refuse_dense,
+    sharded_diagonal,
+    sharded_matmul,
+)
 from backpack.curvature._lent import kron_targets, lent
 from backpack.curvature._sweep import Sweep
 from backpack.curvature.accumulate import accumulate_over
 from backpack.curvature.operators import CurvatureOperator
+from backpack.distributed import _group as _dist_group
 from backpack.extensions import KFAC as KFACExtension
 from backpack.extensions import KFLR
 from backpack.rules import find_rule
@@ -218,13 +226,14 @@ def _empirical_factors(sweep: Sweep, extension: Any):
         num_samples=lambda inputs: sweep.samples(inputs[0]),
     )
     result = accumulate_over(projection, [extension])
-    group = sweep.group
+    group = _dist_group() if sweep.sharded else sweep.group
     if group is not None:  # every rank's sweep succeeded (accumulate agreed on it)
         (wrapper.total,) = all_sum(group, [], [wrapper.total], None, "sum KFAC's normalisers")
     scale = 2 * sweep.total(wrapper.total)
-    factors = result.quantity(extension.savefield)
+    factors = result._quantity(extension.savefield)  # shape-only where another rank owns
     factors = {name[len("inner.") :]: [f[0] / scale, *f[1:]] for name, f in factors.items()}
-    return factors, scale / 2, result.num_samples
+    owners = result.owners and {name[len("inner.") :]: r for name, r in result.owners.items()}
+    return factors, scale / 2, result.num_samples, owners
 
 
 class KFAC(CurvatureOperator):
@@ -260,6 +269,12 @@ class KFAC(CurvatureOperator):
             `Ã = [[A, m], [mᵀ, 1]]` with `m` the mean input (the K-FAC papers' and kronfluence's
             convention; curvlinops' option of the same name).
 
+    On a model sharded with FSDP2 (`fully_shard`) each block's factors live whole on one owner
+    rank (`owners`); vectors are this rank's local shards (`[P_local]` or `[P_local, K]`, the
+    concatenation of `p.to_local().reshape(-1)`), products, `inverse`, `logdet`, `trace` and
+    `diagonal` are collectives, `eigenvalues` gives the owned blocks' and `to_dense` is refused
+    (docs: "Distributed sweeps", FSDP2).
+
     The factors are those of the data-set loss (see `accumulate`): `A` averages all inputs of
     the data set, `G` sums the backpropagated outer products with the data-set loss's factor.
     Cost: building sweeps the data once (one backward per batch); everything else is closed-form
@@ -282,8 +297,8 @@ class KFAC(CurvatureOperator):
         separate_weight_and_bias: bool = True,
     ) -> None:
         model = local_module(model)
-        check_not_fully_sharded(model, "KFAC")
-        refuse_unfaithful_gradients(model, "KFAC")
+        if not is_fully_sharded(model):
+            refuse_unfaithful_gradients(model, "KFAC")
         sweep = Sweep(
             model,
             lossfunc,
@@ -307,8 +322,8 @@ class KFAC(CurvatureOperator):
         separate_weight_and_bias: bool = True,
     ) -> KFAC:
         """`KFAC` of a prepared `Sweep` (the data-set layer's own entry; arguments as above)."""
-        check_not_fully_sharded(sweep.model, "KFAC")
-        refuse_unfaithful_gradients(sweep.model, "KFAC")
+        if not sweep.sharded:
+            refuse_unfaithful_gradients(sweep.model, "KFAC")
         op = cls.__new__(cls)
         op._build(sweep, fisher_type, kfac_approx, mc_samples, seed, separate_weight_and_bias)
         return op
@@ -343,29 +358,58 @@ class KFAC(CurvatureOperator):
         targets, folded = kron_targets(model, kfac_approx, separate_weight_and_bias)
         with lent(targets):
             if fisher_type == "empirical":
-                factors, total, count = _empirical_factors(sweep, extension)
+                factors, total, count, owners = _empirical_factors(sweep, extension)
             else:
                 devices = [self.device] if self.device.type == "cuda" else []
                 with torch.random.fork_rng(devices=devices):
                     torch.manual_seed(seed + sweep.rank)
                     result = accumulate_over(sweep, [extension])
-                factors = result.quantity(extension.savefield)
+                factors = result._quantity(extension.savefield)
                 total, count = result.normaliser, result.num_samples
+                owners = result.owners
         #: what the data-set loss divides its summed terms by (`ν` for "mean", 1 for "sum")
         self.normaliser_total = total
         #: the number of samples of the data set
         self.num_samples_total = count
         self.blocks = _blocks(model, params, factors, folded)
+        #: on an FSDP2 model: each block's owner rank and the routing of the local shards
+        self._sharded: ShardedBlocks | None = None
+        if sweep.sharded:
+            assert owners is not None
+            self._sharded = ShardedBlocks(model, self.blocks, owners, _dist_group(), "KFAC")
+            self.shapes = self._sharded.local_shapes
+            self.numels = self._sharded.local_numels
 
     _group = property(lambda self: self.sweep.group)
+
+    @property
+    def owners(self) -> dict[str, int] | None:
+        """On a model sharded with FSDP2: `{block name: rank holding its factors}`; else None."""
+        return None if self._sharded is None else dict(self._sharded.owner)
+
+    def _owned(self) -> list[_Block]:
+        """The blocks whose factors this rank holds (every block without FSDP2)."""
+        return self.blocks if self._sharded is None else self._sharded.owned()  # type: ignore
+
+    def __matmul__(self, v: Tensor) -> Tensor:
+        """The product with `v` `[P]` or `[P, K]`; on an FSDP2 model a collective of local rows.
+
+        On a model sharded with FSDP2, `v` is this rank's local shards (`[P_local]` or
+        `[P_local, K]`: the concatenation of `p.to_local().reshape(-1)` over the trainable
+        parameters) and the result this rank's rows of the product; every rank must call it.
+        """
+        if self._sharded is None:
+            return super().__matmul__(v)
+        return sharded_matmul(self, self._sharded, v, lambda b, w: b.apply(w, b.factors))
 
     @property
     def factors(self) -> dict[str, list[Tensor]]:
         """`{block name: [G, A] or [B]}` of the data-set loss.
 
         A block's name is its parameter's (the weight's, for a weight with its bias folded in).
+        On a model sharded with FSDP2: the blocks this rank owns (see `owners`).
         """
-        return {b.name: b.factors for b in self.blocks}
+        return {b.name: b.factors for b in self._owned()}
 
     def _matmat(self, V: Tensor) -> Tensor:
         pieces = blockwise(
@@ -374,22 +418,48 @@ class KFAC(CurvatureOperator):
         return torch.cat(pieces, dim=1).T
 
     def to_dense(self) -> Tensor:
-        """The dense block-diagonal `[P, P]` matrix."""
+        """The dense block-diagonal `[P, P]` matrix (refused on a model sharded with FSDP2)."""
+        if self._sharded is not None:
+            raise refuse_dense("KFAC")
         dense = [b.dense(b.factors) for b in self.blocks]
         return assemble_dense(self.blocks, self.names, self.numels, dense)
 
+    def to_scipy(self):
+        """A SciPy `LinearOperator` (refused on a model sharded with FSDP2: per-rank vectors)."""
+        if self._sharded is not None:
+            raise refuse_dense("KFAC.to_scipy")
+        return super().to_scipy()
+
     def diagonal(self) -> Tensor:
-        """The diagonal: `diag(G) ⊗ diag(A)` per block."""
+        """The diagonal: `diag(G) ⊗ diag(A)` per block (FSDP2: this rank's rows, a collective)."""
+        if self._sharded is not None:
+            like = torch.empty(0, dtype=self.dtype, device=self.device)
+            return sharded_diagonal(
+                self._sharded, lambda b: b.diagonal_of([f.diagonal() for f in b.factors]), like
+            )
         diags = [b.diagonal_of([f.diagonal() for f in b.factors]) for b in self.blocks]
         return assemble_diagonal(self.blocks, self.names, self.numels, diags)
 
     def trace(self) -> Tensor:
-        """The trace: `Σ tr(G) tr(A)` over the blocks."""
+        """The trace: `Σ tr(G) tr(A)` over the blocks (FSDP2: on every rank, a collective)."""
+        if self._sharded is not None:
+            return self._sharded.total(
+                lambda: sum(math.prod(f.trace() for f in b.factors) for b in self._owned()),
+                "sum the trace",
+            ).to(self.dtype)
         return sum(math.prod(f.trace() for f in b.factors) for b in self.blocks)
 
     def eigenvalues(self) -> Tensor:
-        """All P eigenvalues (products of the factors' eigenvalues), in ascending order."""
-        return torch.cat([b.eigenvalues().flatten() for b in self.blocks]).sort().values
+        """All P eigenvalues (products of the factors' eigenvalues), in ascending order.
+
+        On a model sharded with FSDP2: the eigenvalues of the blocks this rank owns (`owners`),
+        in ascending order; the ranks' results together are the whole spectrum. Not a
+        collective (each owner decomposes its own factors).
+        """
+        owned = self._owned()
+        if not owned:
+            return torch.empty(0, dtype=self.dtype, device=self.device)
+        return torch.cat([b.eigenvalues().flatten() for b in owned]).sort().values
 
     def inverse(self, damping: float = 0.0) -> KFACInverse:
         """`(K + damping·I)⁻¹` in closed form, exact for the damped block-diagonal matrix.
@@ -405,7 +475,17 @@ class KFAC(CurvatureOperator):
         return KFACInverse(self, damping)
 
     def logdet(self, damping: float = 0.0) -> Tensor:
-        """`log det(K + damping·I)` from the factors' eigenvalues (-inf if singular)."""
+        """`log det(K + damping·I)` from the factors' eigenvalues (-inf if singular).
+
+        On a model sharded with FSDP2: the whole matrix's, on every rank (a collective).
+        """
+        if self._sharded is not None:
+            return self._sharded.total(
+                lambda: sum(
+                    float((b.eigenvalues().flatten() + damping).log().sum()) for b in self._owned()
+                ),
+                "sum the log-determinant",
+            ).to(self.dtype)
         return torch.cat([(b.eigenvalues().flatten() + damping).log() for b in self.blocks]).sum()
 
 
@@ -431,6 +511,54 @@ class KFACInverse(CurvatureOperator):
             (lb, qb) = eig[0]
             w = ((w @ qb) / (lb + self.damping)) @ qb.T
         return block.from_own(w)
+
+    def __matmul__(self, v: Tensor) -> Tensor:
+        """The product with `v`; on an FSDP2 model a collective of local rows (see `KFAC`)."""
+        if self.kfac._sharded is None:
+            return super().__matmul__(v)
+        return sharded_matmul(self, self.kfac._sharded, v, self._block_inverse)
+
+    def to_dense(self) -> Tensor:
+        """The dense `[P, P]` inverse (refused on a model sharded with FSDP2)."""
+        if self.kfac._sharded is not None:
+            raise refuse_dense("KFACInverse")
+        return super().to_dense()
+
+    def _block_diagonal(self, block: _Block) -> Tensor:
+        """The diagonal of the block's damped inverse, `(Q∘Q) (Λ + λ)⁻¹` per factor pair."""
+        eig = block.eig()
+        if len(eig) == 2:
+            (lg, qg), (la, qa) = eig
+            inv = 1 / (torch.outer(lg, la) + self.damping)
+            own = (qg.square() @ inv @ qa.square().T).flatten()
+        else:
+            (lb, qb) = eig[0]
+            own = qb.square() @ (1 / (lb + self.damping))
+        return block.place_diagonal(own)
+
+    def to_scipy(self):
+        """A SciPy `LinearOperator` (refused on a model sharded with FSDP2: per-rank vectors)."""
+        if self.kfac._sharded is not None:
+            raise refuse_dense("KFACInverse.to_scipy")
+        return super().to_scipy()
+
+    def diagonal(self) -> Tensor:
+        """The diagonal (FSDP2: this rank's rows, from the owners' eigenbases; a collective)."""
+        sharded = self.kfac._sharded
+        if sharded is None:
+            return super().diagonal()
+        like = torch.empty(0, dtype=self.dtype, device=self.device)
+        return sharded_diagonal(sharded, self._block_diagonal, like)
+
+    def trace(self) -> Tensor:
+        """The trace (FSDP2: the whole matrix's on every rank; a collective)."""
+        sharded = self.kfac._sharded
+        if sharded is None:
+            return super().trace()
+        return sharded.total(
+            lambda: sum(float(self._block_diagonal(b).sum()) for b in self.kfac._owned()),
+            "sum the inverse's trace",
+        ).to(self.dtype)
 
     def _matmat(self, V: Tensor) -> Tensor:
         pieces = blockwise(self.kfac.blocks, self.names, self.split(V), self._block_inverse)

@@ -444,10 +444,10 @@ def fully_sharded(rank: int, world: int) -> None:
     empty = mine if rank != bad else []
     run = lambda: accumulate(model, lossfunc, empty, DiagGGNExact())  # noqa: E731
     _expect(rank, bad, run, ValueError, "empty data set")
-    # refused: per-sample rows, Kronecker factors, callbacks, distributed=False, operators
+    # refused: per-sample rows, callbacks, distributed=False, operators (KFLR, KFAC: their own
+    # checks in curvature_fsdp_kron_checks.py)
     refused = [
         (NotImplementedError, "grad_batch", lambda: accumulate(model, lossfunc, mine, BatchGrad())),
-        (NotImplementedError, "kflr", lambda: accumulate(model, lossfunc, mine, KFLR())),
         (
             NotImplementedError,
             "callback",
@@ -459,7 +459,7 @@ def fully_sharded(rank: int, world: int) -> None:
             lambda: accumulate(model, lossfunc, mine, DiagGGNExact(), distributed=False),
         ),
         (NotImplementedError, "replicated copy", lambda: GGN(model, lossfunc, mine)),
-        (NotImplementedError, "replicated copy", lambda: KFAC(model, lossfunc, mine)),
+        (NotImplementedError, "eigenbases", lambda: EKFAC(model, lossfunc, mine)),
         (NotImplementedError, "influence.fit", lambda: fit(model, lossfunc, mine, "diagonal")),
         (
             NotImplementedError,

@@ -1,0 +1,250 @@
+"""Checks of Kronecker factors and the KFAC operator on FSDP2 models, run inside gloo processes
+by test_curvature_fsdp_kron.py (not collected by pytest).
+
+Each rank sweeps its own shard (the same number of batches per rank, uneven sizes) of a tiny
+float64 data set with a `fully_shard`-ed model, and compares with one process sweeping the
+concatenation of all shards with an unsharded copy (in the same worker).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from curvature_distributed_checks import FSDP_SHARDS, close, fsdp_model, fsdp_shards, own_chunk
+from distributed_checks import run_checks
+
+from backpack import distributed
+from backpack.curvature import KFAC, accumulate, eigvalsh, hutchinson_trace
+from backpack.extensions import KFAC as KFACExtension
+from backpack.extensions import KFLR, DiagGGNExact
+
+
+def local_vector(model, full):
+    """This rank's rows of a whole-model vector/matrix `full` `[P, ...]` (FSDP2 chunks along
+    each parameter's sharded dimension)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out, start = [], 0
+    for _, p in model.named_parameters():
+        n = p.numel()
+        piece = full[start : start + n].reshape(*p.shape, *full.shape[1:])
+        dim = p.placements[0].dim
+        chunks = piece.chunk(world, dim=dim)
+        mine = chunks[rank] if rank < len(chunks) else piece.narrow(dim, 0, 0)
+        out.append(mine.reshape(-1, *full.shape[1:]))
+        start += n
+    return torch.cat(out)
+
+
+def accumulate_kron_case(name: str, reduction: str, nested: bool):
+    """KFLR (with DiagGGNExact) on FSDP2: each layer's factors on its owner, equal to one
+    process's; the other ranks hold none; the diagonal shards as before."""
+
+    def check(rank: int, world: int) -> None:
+        problem, mine, everything, _, _ = fsdp_shards(name, rank, world)
+        model, ref = fsdp_model(problem, nested), problem.model()
+        lossfunc = problem.make_loss(reduction)
+        exts = [KFLR(), DiagGGNExact()]
+        result = accumulate(model, lossfunc, mine, exts)
+        expected = accumulate(
+            ref, lossfunc, everything, [KFLR(), DiagGGNExact()], distributed=False
+        )
+        owners = result.owners
+        assert owners is not None and set(owners) == set(expected.names), owners
+        kflr = result.quantity("kflr")
+        for (pname, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            if owners[pname] == rank:
+                close(kflr[pname], q.kflr, f"{pname}.kflr")
+                close(p.kflr, q.kflr, f"{pname}.kflr written")
+            else:
+                assert kflr[pname] is None and not hasattr(p, "kflr"), pname
+            close(p.diag_ggn_exact.to_local(), own_chunk(q.diag_ggn_exact, rank, world), pname)
+            close(p.grad.to_local(), own_chunk(q.grad, rank, world), f"{pname}.grad")
+        # every rank owns some layer when there are enough of them; the bytes balance
+        held = [0] * world
+        for pname, r in owners.items():
+            held[r] += sum(f.numel() for f in expected.quantity("kflr")[pname])
+        assert max(held) <= sum(held) - max(held) + max(
+            sum(f.numel() for f in fs) for fs in expected.quantity("kflr").values()
+        ), held
+        # MC factors: finite, on their owner
+        mc = accumulate(model, lossfunc, mine, KFACExtension()).quantity("kfac")
+        for pname, fs in mc.items():
+            assert (fs is None) == (owners[pname] != rank), pname
+            assert fs is None or all(torch.isfinite(f).all() for f in fs), pname
+        # merged sweeps: exact
+        first = accumulate(model, lossfunc, mine[:1], KFLR(), write=False)
+        both = first.merge(accumulate(model, lossfunc, mine[1:], KFLR(), write=False))
+        for pname, fs in both.quantity("kflr").items():
+            if fs is not None:
+                close(fs, expected.quantity("kflr")[pname], f"merged {pname}")
+
+    return check
+
+
+def _expect_everywhere(run, error, match: str) -> None:
+    try:
+        run()
+    except error as err:
+        assert match in str(err), err
+    else:
+        raise AssertionError(f"not raised: {match}")
+
+
+def kfac_operator_case(name: str, reduction: str, nested: bool, **options):
+    """The KFAC operator on FSDP2: products (vector and matrix), the damped inverse, logdet,
+    trace, diagonal and eigenvalues equal one process's; products of local shards."""
+
+    def check(rank: int, world: int) -> None:
+        problem, mine, everything, _, _ = fsdp_shards(name, rank, world)
+        model, ref = fsdp_model(problem, nested), problem.model()
+        lossfunc = problem.make_loss(reduction)
+        op = KFAC(model, lossfunc, mine, **options)
+        expected = KFAC(ref, lossfunc, everything, distributed=False, **options)
+        size = sum(p.to_local().numel() for p in model.parameters())
+        assert op.shape == (size, size), (op.shape, size)
+        g = torch.Generator().manual_seed(7)
+        V = torch.randn(expected.shape[0], 3, generator=g, dtype=torch.float64)
+        local = local_vector(model, V)
+        close(op @ local, local_vector(model, expected @ V), "K @ V")
+        close(op @ local[:, 0], local_vector(model, expected @ V[:, 0]), "K @ v")
+        inv, inv_ref = op.inverse(0.1), expected.inverse(0.1)
+        close(inv @ local, local_vector(model, inv_ref @ V), "(K + λI)⁻¹ @ V")
+        close(inv.logdet(), inv_ref.logdet(), "inverse logdet")
+        close(inv.diagonal(), local_vector(model, inv_ref.diagonal()), "inverse diagonal")
+        close(inv.trace(), inv_ref.trace(), "inverse trace")
+        close(op.logdet(0.1), expected.logdet(0.1), "logdet")
+        close(op.trace(), expected.trace(), "trace")
+        close(op.diagonal(), local_vector(model, expected.diagonal()), "diagonal")
+        spectra = [None] * world
+        dist.all_gather_object(spectra, op.eigenvalues())
+        close(torch.cat(spectra).sort().values, expected.eigenvalues(), "eigenvalues")
+        for block, factors in op.factors.items():
+            assert op.owners[block] == rank
+            close(factors, expected.factors[block], f"factors of {block}")
+        held = sum(f.numel() for fs in op.factors.values() for f in fs)
+        assert held < sum(f.numel() for fs in expected.factors.values() for f in fs) or world == 1
+        _expect_everywhere(op.to_dense, NotImplementedError, "to_dense")
+        _expect_everywhere(op.to_scipy, NotImplementedError, "to_scipy")
+        # the estimators' inner products would be per rank: refused on every rank
+        _expect_everywhere(lambda: hutchinson_trace(op, 2), NotImplementedError, "local shards")
+        _expect_everywhere(lambda: eigvalsh(op, 1), NotImplementedError, "local shards")
+
+    return check
+
+
+def kfac_last_dim(rank: int, world: int) -> None:
+    """shard_placement_fn=Shard(last dimension): products and diagonals of those chunks."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    def make():
+        torch.manual_seed(3)
+        return nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+
+    g = torch.Generator().manual_seed(5)
+    sizes = [s for shard in FSDP_SHARDS[world] for s in shard]
+    everything = [
+        (
+            torch.randn(n, 6, generator=g, dtype=torch.float64),
+            torch.randint(0, 3, (n,), generator=g),
+        )
+        for n in sizes
+    ]
+    per_rank = len(FSDP_SHARDS[world][0])
+    mine = everything[rank * per_rank : (rank + 1) * per_rank]
+    model, ref = make(), make()
+    last = lambda p: Shard(p.dim() - 1)  # noqa: E731
+    for module in (model[0], model[2], model):
+        fully_shard(module, shard_placement_fn=last)
+    lossfunc = nn.CrossEntropyLoss()
+    op = KFAC(model, lossfunc, mine, separate_weight_and_bias=False)
+    expected = KFAC(ref, lossfunc, everything, distributed=False, separate_weight_and_bias=False)
+    V = torch.randn(expected.shape[0], 2, generator=g, dtype=torch.float64)
+    close(op @ local_vector(model, V), local_vector(model, expected @ V), "last-dim K @ V")
+    inv, inv_ref = op.inverse(0.05), expected.inverse(0.05)
+    close(inv @ local_vector(model, V), local_vector(model, inv_ref @ V), "last-dim inverse")
+    close(op.diagonal(), local_vector(model, expected.diagonal()), "last-dim diagonal")
+
+
+def kfac_errors(rank: int, world: int) -> None:
+    """A wrong vector on one rank makes every rank raise (no rank waits in a collective)."""
+    problem, mine, _, _, _ = fsdp_shards("mlp_ce", rank, world)
+    model = fsdp_model(problem, nested=True)
+    op = KFAC(model, problem.make_loss("mean"), mine)
+    size = op.shape[0]
+    bad = torch.zeros(size + (rank == world - 1), dtype=torch.float64)
+    _expect_everywhere(lambda: op @ bad, (ValueError, RuntimeError), "")
+    cols = torch.zeros(size, 1 + (rank == 0), dtype=torch.float64)
+    _expect_everywhere(lambda: op @ cols, ValueError, "same number of columns")
+    # a block failing on its owner: the owner raises its error, every other rank names it
+    block = op.blocks[0]
+    owner = op.owners[block.name]
+    if rank == owner:
+
+        def broken(v, mats):
+            raise FloatingPointError("broken block")
+
+        block.apply = broken
+    try:
+        op @ torch.ones(size, dtype=torch.float64)
+    except FloatingPointError as err:
+        assert rank == owner and "broken block" in str(err), err
+    except RuntimeError as err:
+        assert rank != owner and f"rank {owner} failed" in str(err), err
+    else:
+        raise AssertionError("a failing owner was not agreed")
+    finally:
+        block.__dict__.pop("apply", None)
+    # a batch without loss terms (every target ignored) on rank 0: its inputs would count in A
+    # without a G, as without FSDP: rank 0 raises that, the others name rank 0
+    ignored = [(X, torch.full_like(y, -100) if i == 0 else y) for i, (X, y) in enumerate(mine)]
+    data = ignored if rank == 0 else mine
+    try:
+        accumulate(model, problem.make_loss("mean"), data, KFLR())
+    except ValueError as err:
+        assert rank == 0 and "no loss term" in str(err), err
+    except RuntimeError as err:
+        assert rank != 0 and "rank 0 failed" in str(err), err
+    else:
+        raise AssertionError("a batch without loss terms was not refused")
+    # Monte-Carlo factors: each rank draws for its own samples
+    mc = KFAC(model, problem.make_loss("mean"), mine, fisher_type="mc", mc_samples=2)
+    out = mc.inverse(0.1) @ torch.ones(size, 2, dtype=torch.float64)
+    assert out.shape == (size, 2) and torch.isfinite(out).all()
+    assert torch.isfinite(mc.logdet(0.1)) and mc.trace() > 0
+    # still usable afterwards
+    out = op @ torch.ones(size, dtype=torch.float64)
+    assert out.shape == (size,) and torch.isfinite(out).all()
+
+
+MAIN: list[tuple[str, Callable]] = [
+    ("kron-mlp_ce-mean-nested", accumulate_kron_case("mlp_ce", "mean", nested=True)),
+    ("kron-mlp_mse-sum", accumulate_kron_case("mlp_mse", "sum", nested=False)),
+    ("kron-cnn_ce-mean-nested", accumulate_kron_case("cnn_ce", "mean", nested=True)),
+    ("kron-token_ce-sum", accumulate_kron_case("token_ce", "sum", nested=False)),
+    ("kfac-mlp_ce-mean-nested", kfac_operator_case("mlp_ce", "mean", nested=True)),
+    ("kfac-mlp_mse-sum", kfac_operator_case("mlp_mse", "sum", nested=False)),
+    ("kfac-cnn_ce-mean", kfac_operator_case("cnn_ce", "mean", nested=False)),
+    ("kfac-token_ce-sum-nested", kfac_operator_case("token_ce", "sum", nested=True)),
+    (
+        "kfac-folded-mlp_ce",
+        kfac_operator_case("mlp_ce", "mean", nested=True, separate_weight_and_bias=False),
+    ),
+    (
+        "kfac-folded-cnn_ce",
+        kfac_operator_case("cnn_ce", "sum", nested=True, separate_weight_and_bias=False),
+    ),
+    ("kfac-empirical", kfac_operator_case("mlp_ce", "mean", nested=True, fisher_type="empirical")),
+    ("kfac-reduce", kfac_operator_case("cnn_ce", "mean", nested=False, kfac_approx="reduce")),
+    ("kfac-last-dim", kfac_last_dim),
+    ("kfac-errors", kfac_errors),
+]
+SCENARIOS = {"main": MAIN}
+
+
+def worker(rank: int, world: int, port: int, scenario: str, outdir: str) -> None:
+    distributed.TIMEOUT_S = 60.0
+    run_checks(rank, world, port, outdir, SCENARIOS[scenario], timeout_s=60.0)
