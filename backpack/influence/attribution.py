@@ -18,9 +18,7 @@ The strategy approximates `F` (block diagonal over the parameters except "identi
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -43,10 +41,10 @@ from backpack.curvature._sweep import Sweep
 from backpack.curvature.ekfac import EKFAC, EigenBlock, kfac_eigenblocks
 from backpack.curvature.kfac import KFAC
 from backpack.influence._lowrank import LowRank, compress, concat, fisher_weights
+from backpack.influence._scoring import batch_scores, joined, rank_errors, scores_to_disk
 from backpack.influence._sites import (
     CHUNK_ENTRIES,
     Site,
-    choose,
     dense,
     norm_is_ghost,
     recorded_classes,
@@ -54,8 +52,6 @@ from backpack.influence._sites import (
     square_sum,
 )
 from backpack.influence._store import (
-    ScoreChunks,
-    batch_digest,
     cast_floats,
     is_block_folder,
     load_block_state,
@@ -329,7 +325,8 @@ class Influence:
         batch (`LowRank`).
         """
         shapes = {name: tuple(p.shape) for name, p in self.sweep.trainable()}
-        weights = self._rank_weights(shapes) if rank is not None and norm == "fisher" else {}
+        fisher = rank is not None and norm == "fisher"
+        weights = _rank_weights(self.blocks, shapes) if fisher else {}
         pieces: dict[str, list[Tensor | LowRank]] = {}
         factors: dict[str, list[Site] | None] = {}
         for _, sites in self._sites(query_data, progress, False, factored, "query gradients"):
@@ -373,17 +370,6 @@ class Influence:
         first = next(iter(merged.values()))
         n_query = first.num_queries if isinstance(first, LowRank) else first.shape[0]
         return merged, n_query, ghost
-
-    def _rank_weights(self, shapes: Mapping[str, tuple]) -> dict[str, Any]:
-        """`{weight name: fisher_weights}` of the blocks with Kronecker or diagonal structure."""
-        if self.blocks is None:
-            return {}
-        out = {}
-        for b in self.blocks:
-            found = fisher_weights(b, shapes[b.name])
-            if found is not None:
-                out[b.name] = found
-        return out
 
     # --- scores ------------------------------------------------------------------------------
     def scores(
@@ -494,7 +480,19 @@ class Influence:
                 "dtype": str(dtype),
                 "n_query": n_query,
             }
-            return self._scores_to_disk(
+            key = tensor_hash(
+                _FORMAT,
+                self.strategy,
+                self.damping,
+                self.info,
+                [b.state() for b in self.blocks] if self.blocks is not None else None,
+                self.model.state_dict(),
+                dict(query),
+                dict(options),
+            )
+            return scores_to_disk(
+                self,
+                key,
                 query,
                 n_query,
                 ghost,
@@ -512,147 +510,10 @@ class Influence:
         length: list[int | None] = [None]
         for _, sites in self._sites(train_data, progress, per_token, factored, "gradients"):
             columns.append(
-                self._batch_scores(query, n_query, ghost, sites, per_token, per_module, length)
+                batch_scores(query, n_query, ghost, sites, per_token, per_module, length)
             )
             del sites
-        return _joined(columns, n_query, per_module, dtype)
-
-    def _batch_scores(
-        self,
-        query: Mapping[str, Tensor | LowRank],
-        n_query: int,
-        ghost: Mapping[str, Site | None],
-        sites: Mapping[str, list[Site]],
-        per_token: bool,
-        per_module: bool,
-        length: list[int | None],
-    ) -> dict[str, Tensor]:
-        """One training batch's scores, `{module name: ...}` (per_module) or `{"": ...}`.
-
-        `length`: the positions T seen so far (per_token), updated in place.
-        """
-        totals: dict[str, Tensor] = {}
-        for name, value in sites.items():
-            M = query[name]
-            if per_token:
-                for site in value:
-                    if site.kind == "sample":
-                        raise ValueError(
-                            f"per_token=True: {name} has no terms per position (its module "
-                            "was not called as a layer of its own). Freeze it or use "
-                            "per_token=False."
-                        )
-                    if length[0] is None:
-                        length[0] = site.positions
-                    if site.positions != length[0]:
-                        raise ValueError(
-                            f"per_token=True needs one sequence length T in every layer and "
-                            f"batch; {name} has {site.positions} positions, others "
-                            f"{length[0]}. Pad the sequences (ignored targets) to one length "
-                            "(a convolution's positions are its output positions: keep "
-                            "its output as long as the sequence, e.g. stride 1 and "
-                            "causal or 'same' padding)."
-                        )
-            if isinstance(M, LowRank):
-                part = M.products(value, per_token)
-            elif per_token:
-                part = sum(site.token_products(M.reshape(n_query, *site.shape)) for site in value)
-            else:
-                part = self._pair_products(name, value, M, n_query, ghost)
-            key = name.rpartition(".")[0] if per_module else ""
-            totals[key] = part if key not in totals else totals[key] + part
-        return totals
-
-    @staticmethod
-    def _pair_products(
-        name: str, value: list[Site], M: Tensor, n_query: int, ghost: Mapping[str, Site | None]
-    ) -> Tensor:
-        """`[Q, N]` products of a parameter's full query rows with its training sites."""
-        if len(value) == 1 and value[0].kind == "outer":
-            site = value[0]
-            q_site = ghost.get(name)
-            how = choose(site, n_query, q_site.positions if q_site is not None else None)
-            if how == "ghost":
-                return site.ghost_products(q_site)
-            if how == "factored":
-                return site.token_products(M.reshape(n_query, *site.shape)).sum(-1)
-        return M @ dense(value).flatten(1).T
-
-    def _scores_to_disk(
-        self,
-        query: Mapping[str, Tensor | LowRank],
-        n_query: int,
-        ghost: Mapping[str, Site | None],
-        train_data: Iterable,
-        progress: bool,
-        per_token: bool,
-        factored: bool,
-        per_module: bool,
-        out_dir: Any,
-        chunk_size: int,
-        dtype: torch.dtype | None,
-        options: Mapping[str, Any],
-    ) -> Tensor | dict[str, Tensor]:
-        """`scores` written chunk by chunk to `out_dir` (resumed where a manifest is there)."""
-        key = tensor_hash(
-            _FORMAT,
-            self.strategy,
-            self.damping,
-            self.info,
-            [b.state() for b in self.blocks] if self.blocks is not None else None,
-            self.model.state_dict(),
-            dict(query),
-            dict(options),
-        )
-        store = ScoreChunks(out_dir, key, chunk_size, options)
-        if store.manifest["complete"]:
-            return read_scores(out_dir)
-        chunk_size = store.chunk_size
-        waiting: deque[tuple[int, str]] = deque()
-        seen = [0]
-
-        def pending() -> Iterator[Any]:
-            """The batches of unfinished chunks; those of finished ones are checked, skipped."""
-            skipped: tuple[int, list[str]] | None = None
-            for i, batch in enumerate(train_data):
-                chunk = i // chunk_size
-                if skipped is not None and skipped[0] != chunk:
-                    store.check(*skipped)
-                    skipped = None
-                seen[0] = i + 1
-                digest_of = batch_digest(batch)
-                if store.done(chunk):
-                    skipped = skipped or (chunk, [])
-                    skipped[1].append(digest_of)
-                    continue
-                waiting.append((i, digest_of))
-                yield batch
-            if skipped is not None:
-                store.check(*skipped)
-
-        batches = pending()
-        first = next(batches, None)
-        if first is not None:
-            buffer: list[dict[str, Tensor]] = []
-            digests: list[str] = []
-            length: list[int | None] = [None]
-            chunk = 0
-            data = itertools.chain([first], batches)
-            for _, sites in self._sites(data, progress, per_token, factored, "gradients"):
-                i, digest_of = waiting.popleft()
-                chunk = i // chunk_size
-                buffer.append(
-                    self._batch_scores(query, n_query, ghost, sites, per_token, per_module, length)
-                )
-                digests.append(digest_of)
-                del sites
-                if len(buffer) == chunk_size:
-                    store.write(chunk, _joined(buffer, n_query, per_module, dtype), digests)
-                    buffer, digests = [], []
-            if buffer:
-                store.write(chunk, _joined(buffer, n_query, per_module, dtype), digests)
-        store.finish(seen[0])
-        return read_scores(out_dir)
+        return joined(columns, n_query, per_module, dtype)
 
     def query_rank_error(
         self,
@@ -677,22 +538,12 @@ class Influence:
             raise ValueError(
                 f"query_rank_norm must be 'fisher' or 'frobenius', got {query_rank_norm!r}."
             )
-        weights = self._rank_weights(shapes) if query_rank_norm == "fisher" else {}
+        weights = _rank_weights(self.blocks, shapes) if query_rank_norm == "fisher" else {}
         low = {
             r: {n: compress(v, shapes[n], r, weights.get(n)) for n, v in full.items()}
             for r in ranks
         }
-        errors = dict.fromkeys(ranks, 0.0)
-        norm = 0.0
-        length: list[int | None] = [None]
-        for _, sites in self._sites(train_data, progress, False, True, "gradients"):
-            exact = self._batch_scores(full, n_query, ghost, sites, False, False, length)[""]
-            norm += float(exact.double().square().sum())
-            for r in ranks:
-                approx = self._batch_scores(low[r], n_query, {}, sites, False, False, length)[""]
-                errors[r] += float((approx - exact).double().square().sum())
-            del sites
-        return {r: (errors[r] / norm) ** 0.5 if norm > 0 else 0.0 for r in ranks}
+        return rank_errors(self, full, low, n_query, ghost, train_data, progress)
 
     def self_scores(
         self,
@@ -757,38 +608,12 @@ class Influence:
         """
         state = self.state()
         if dtype is not None:
-            self._check_storable(dtype)
+            _check_storable(self, dtype)
             state["blocks"] = [_stored(b, dtype) for b in state["blocks"] or []] or None
         if per_module:
             save_blocks(path, state)
         else:
             torch.save(state, path)
-
-    def _check_storable(self, dtype: torch.dtype) -> None:
-        """Refuse a storage dtype that changes a block's `1 / (values + λ)` beyond its rounding.
-
-        The eigenvalues are stored divided by a power of two near their largest (`_stored`).
-        Rounding to `dtype` changes each by at most half its unit in the last place, so the
-        damped inverse by less than `eps(dtype)` relative: more (an eigenvalue that underflows
-        while it still matters next to λ: float16's narrow range) is refused. Eigenvectors
-        (entries of at most 1 in magnitude) only round.
-        """
-        if self.blocks is None:
-            return
-        eps = torch.finfo(dtype).eps
-        for b in self.blocks:
-            scale = _power_of_two(b.values)
-            values = (b.values / scale).to(dtype).to(b.values) * scale
-            rounded = EigenBlock(b.name, b.shape, [], values, False)
-            rounded.bias = b.bias
-            before, after = self._scale(b), self._scale(rounded)
-            error = float(((after - before).abs() / before.abs().clamp_min(1e-300)).max())
-            if not error <= eps:
-                raise ValueError(
-                    f"Storing the fit in {dtype} changes block {b.name}'s damped inverse by "
-                    f"{error:.2g} relative (its eigenvalues leave {dtype}'s range); store it in "
-                    "torch.bfloat16 (float32's range) or float32."
-                )
 
     @classmethod
     def load(
@@ -831,6 +656,45 @@ class Influence:
 
     def __repr__(self) -> str:
         return f"Influence(strategy={self.strategy!r}, info={self.info})"
+
+
+def _rank_weights(blocks: list[EigenBlock] | None, shapes: Mapping[str, tuple]) -> dict[str, Any]:
+    """`{weight name: fisher_weights}` of the blocks with Kronecker or diagonal structure."""
+    if blocks is None:
+        return {}
+    out = {}
+    for b in blocks:
+        found = fisher_weights(b, shapes[b.name])
+        if found is not None:
+            out[b.name] = found
+    return out
+
+
+def _check_storable(influence: Influence, dtype: torch.dtype) -> None:
+    """Refuse a storage dtype that changes a block's `1 / (values + λ)` beyond its rounding.
+
+    The eigenvalues are stored divided by a power of two near their largest (`_stored`).
+    Rounding to `dtype` changes each by at most half its unit in the last place, so the
+    damped inverse by less than `eps(dtype)` relative: more (an eigenvalue that underflows
+    while it still matters next to λ: float16's narrow range) is refused. Eigenvectors
+    (entries of at most 1 in magnitude) only round.
+    """
+    if influence.blocks is None:
+        return
+    eps = torch.finfo(dtype).eps
+    for b in influence.blocks:
+        scale = _power_of_two(b.values)
+        values = (b.values / scale).to(dtype).to(b.values) * scale
+        rounded = EigenBlock(b.name, b.shape, [], values, False)
+        rounded.bias = b.bias
+        before, after = influence._scale(b), influence._scale(rounded)
+        error = float(((after - before).abs() / before.abs().clamp_min(1e-300)).max())
+        if not error <= eps:
+            raise ValueError(
+                f"Storing the fit in {dtype} changes block {b.name}'s damped inverse by "
+                f"{error:.2g} relative (its eigenvalues leave {dtype}'s range); store it in "
+                "torch.bfloat16 (float32's range) or float32."
+            )
 
 
 def _damping(
@@ -1018,25 +882,6 @@ def load(
 ) -> Influence:
     """`Influence.load`: a fit saved with `Influence.save`, for `model` and `lossfunc`."""
     return Influence.load(path, model, lossfunc, normaliser, num_samples)
-
-
-def _joined(
-    columns: list[dict[str, Tensor]], n_query: int, per_module: bool, dtype: torch.dtype | None
-) -> Tensor | dict[str, Tensor]:
-    """The batches' scores side by side (per module, or the total), in `dtype`."""
-    if not columns:
-        return torch.zeros(n_query, 0, dtype=dtype)
-    out = {}
-    for key in columns[0]:
-        value = torch.cat([c[key] for c in columns], dim=1)
-        stored = value.to(dtype or value.dtype)
-        if not torch.equal(stored.isfinite(), value.isfinite()):
-            raise ValueError(
-                f"Scores of magnitude up to {float(value.abs().max()):.3g} overflow {dtype}; "
-                "use dtype=torch.bfloat16 (float32's range) or float32."
-            )
-        out[key] = stored
-    return out if per_module else out[""]
 
 
 def load_block(path: Any, name: str, dtype: torch.dtype | None = None) -> EigenBlock:

@@ -1,0 +1,192 @@
+"""Scores of training batches against preconditioned queries: in memory, on disk, errors.
+
+The per-batch arithmetic of `Influence.scores` and `Influence.query_rank_error`, and the
+chunked, resumable sweep behind `scores(..., out_dir=...)`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from backpack.influence._lowrank import LowRank
+from backpack.influence._sites import Site, choose, dense
+from backpack.influence._store import ScoreChunks, batch_digest, read_scores
+
+
+def batch_scores(
+    query: Mapping[str, Tensor | LowRank],
+    n_query: int,
+    ghost: Mapping[str, Site | None],
+    sites: Mapping[str, list[Site]],
+    per_token: bool,
+    per_module: bool,
+    length: list[int | None],
+) -> dict[str, Tensor]:
+    """One training batch's scores, `{module name: ...}` (per_module) or `{"": ...}`.
+
+    `length`: the positions T seen so far (per_token), updated in place.
+    """
+    totals: dict[str, Tensor] = {}
+    for name, value in sites.items():
+        M = query[name]
+        if per_token:
+            for site in value:
+                if site.kind == "sample":
+                    raise ValueError(
+                        f"per_token=True: {name} has no terms per position (its module "
+                        "was not called as a layer of its own). Freeze it or use "
+                        "per_token=False."
+                    )
+                if length[0] is None:
+                    length[0] = site.positions
+                if site.positions != length[0]:
+                    raise ValueError(
+                        f"per_token=True needs one sequence length T in every layer and "
+                        f"batch; {name} has {site.positions} positions, others "
+                        f"{length[0]}. Pad the sequences (ignored targets) to one length "
+                        "(a convolution's positions are its output positions: keep "
+                        "its output as long as the sequence, e.g. stride 1 and "
+                        "causal or 'same' padding)."
+                    )
+        if isinstance(M, LowRank):
+            part = M.products(value, per_token)
+        elif per_token:
+            part = sum(site.token_products(M.reshape(n_query, *site.shape)) for site in value)
+        else:
+            part = pair_products(name, value, M, n_query, ghost)
+        key = name.rpartition(".")[0] if per_module else ""
+        totals[key] = part if key not in totals else totals[key] + part
+    return totals
+
+
+def pair_products(
+    name: str, value: list[Site], M: Tensor, n_query: int, ghost: Mapping[str, Site | None]
+) -> Tensor:
+    """`[Q, N]` products of a parameter's full query rows with its training sites."""
+    if len(value) == 1 and value[0].kind == "outer":
+        site = value[0]
+        q_site = ghost.get(name)
+        how = choose(site, n_query, q_site.positions if q_site is not None else None)
+        if how == "ghost":
+            return site.ghost_products(q_site)
+        if how == "factored":
+            return site.token_products(M.reshape(n_query, *site.shape)).sum(-1)
+    return M @ dense(value).flatten(1).T
+
+
+def joined(
+    columns: list[dict[str, Tensor]], n_query: int, per_module: bool, dtype: torch.dtype | None
+) -> Tensor | dict[str, Tensor]:
+    """The batches' scores side by side (per module, or the total), in `dtype`."""
+    if not columns:
+        return torch.zeros(n_query, 0, dtype=dtype)
+    out = {}
+    for key in columns[0]:
+        value = torch.cat([c[key] for c in columns], dim=1)
+        stored = value.to(dtype or value.dtype)
+        if not torch.equal(stored.isfinite(), value.isfinite()):
+            raise ValueError(
+                f"Scores of magnitude up to {float(value.abs().max()):.3g} overflow {dtype}; "
+                "use dtype=torch.bfloat16 (float32's range) or float32."
+            )
+        out[key] = stored
+    return out if per_module else out[""]
+
+
+def scores_to_disk(
+    influence: Any,
+    key: str,
+    query: Mapping[str, Tensor | LowRank],
+    n_query: int,
+    ghost: Mapping[str, Site | None],
+    train_data: Iterable,
+    progress: bool,
+    per_token: bool,
+    factored: bool,
+    per_module: bool,
+    out_dir: Any,
+    chunk_size: int,
+    dtype: torch.dtype | None,
+    options: Mapping[str, Any],
+) -> Tensor | dict[str, Tensor]:
+    """`influence.scores` written chunk by chunk to `out_dir`.
+
+    A manifest there with the fingerprint `key` resumes the sweep after its finished chunks.
+    """
+    store = ScoreChunks(out_dir, key, chunk_size, options)
+    if store.manifest["complete"]:
+        return read_scores(out_dir)
+    chunk_size = store.chunk_size
+    waiting: deque[tuple[int, str]] = deque()
+    seen = [0]
+
+    def pending() -> Iterator[Any]:
+        """The batches of unfinished chunks; those of finished ones are checked, skipped."""
+        skipped: tuple[int, list[str]] | None = None
+        for i, batch in enumerate(train_data):
+            chunk = i // chunk_size
+            if skipped is not None and skipped[0] != chunk:
+                store.check(*skipped)
+                skipped = None
+            seen[0] = i + 1
+            digest_of = batch_digest(batch)
+            if store.done(chunk):
+                skipped = skipped or (chunk, [])
+                skipped[1].append(digest_of)
+                continue
+            waiting.append((i, digest_of))
+            yield batch
+        if skipped is not None:
+            store.check(*skipped)
+
+    batches = pending()
+    first = next(batches, None)
+    if first is not None:
+        buffer: list[dict[str, Tensor]] = []
+        digests: list[str] = []
+        length: list[int | None] = [None]
+        chunk = 0
+        data = itertools.chain([first], batches)
+        for _, sites in influence._sites(data, progress, per_token, factored, "gradients"):
+            i, digest_of = waiting.popleft()
+            chunk = i // chunk_size
+            buffer.append(batch_scores(query, n_query, ghost, sites, per_token, per_module, length))
+            digests.append(digest_of)
+            del sites
+            if len(buffer) == chunk_size:
+                store.write(chunk, joined(buffer, n_query, per_module, dtype), digests)
+                buffer, digests = [], []
+        if buffer:
+            store.write(chunk, joined(buffer, n_query, per_module, dtype), digests)
+    store.finish(seen[0])
+    return read_scores(out_dir)
+
+
+def rank_errors(
+    influence: Any,
+    full: Mapping[str, Tensor],
+    low: Mapping[int, Mapping[str, Any]],
+    n_query: int,
+    ghost: Mapping[str, Site | None],
+    train_data: Iterable,
+    progress: bool,
+) -> dict[int, float]:
+    """`{r: ‖S_r − S‖_F / ‖S‖_F}` of the rank-r queries `low[r]` against `full`, one sweep."""
+    ranks = sorted(low)
+    errors = dict.fromkeys(ranks, 0.0)
+    norm = 0.0
+    length: list[int | None] = [None]
+    for _, sites in influence._sites(train_data, progress, False, True, "gradients"):
+        exact = batch_scores(full, n_query, ghost, sites, False, False, length)[""]
+        norm += float(exact.double().square().sum())
+        for r in ranks:
+            approx = batch_scores(low[r], n_query, {}, sites, False, False, length)[""]
+            errors[r] += float((approx - exact).double().square().sum())
+        del sites
+    return {r: (errors[r] / norm) ** 0.5 if norm > 0 else 0.0 for r in ranks}
