@@ -1,0 +1,316 @@
+"""Curvature products on a model sharded with FSDP2 (`fully_shard`), by distributed autograd.
+
+A vector on such a model is this rank's local shards: the flat concatenation of
+`p.to_local().reshape(-1)` over the trainable parameters. A product sweeps every rank's data
+at once; each rank gets its rows of the product over the whole data set.
+
+How. FSDP2 gathers a module's parameters only inside its own forward and backward hooks,
+which know nothing of a second backward. Products therefore run the model without FSDP's
+hooks (only for the duration of the product forward) and gather each module's parameters
+themselves, one module at a time, through two autograd functions:
+
+- `_Gather`: local shard → full parameter (all-gather); its backward is `_Scatter`;
+- `_Scatter`: full tensor → this rank's chunk of the sum over ranks (reduce-scatter); its
+  backward is `_Gather`.
+
+With the local shards θ_r as the leaves, rank r's loss `L_r(gather(θ))` differentiates to
+`chunk_r Σ_r' ∇L_r'`: the reduce-scatter in the backward sums the ranks' contributions, so
+every derivative (gradient, Hessian- or GGN-vector product, twice differentiated) is taken of
+the global loss and comes out as this rank's rows, while every rank calls the same
+collectives in the same order (the same graph on every rank). The gathered parameters are not
+kept by autograd: a saved-tensors hook stores a token instead and gathers the parameter again
+when the backward needs it, so at most one module's parameters (plus what autograd holds for
+the node running) are whole at a time, as in FSDP's own backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from backpack import distributed as _dist
+from backpack.curvature._fsdp import _fsdp_params, _reduce_scatter, _Shard
+
+#: modules whose forward hooks belong to FSDP2 (bypassed while a product runs)
+_FSDP_HOOK_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable")
+
+
+def product_group(group: Any) -> Any:
+    """The group products communicate over: backpack's, or the default one with one rank."""
+    if group is not None:
+        return group
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "Curvature products on a model sharded with FSDP2 (fully_shard) need "
+            "torch.distributed: call torch.distributed.init_process_group(...) first."
+        )
+    return _dist._group() if dist.get_world_size() > 1 else dist.group.WORLD
+
+
+class Layout:
+    """Where each parameter of an FSDP2 model lives: its shard, chunking and local leaf.
+
+    Attributes:
+        group: The process group of the sharding.
+        trainable: `_Shard` of every trainable parameter, in `model.named_parameters()` order.
+        frozen: `_Shard` of every FSDP-managed parameter without `requires_grad`.
+    """
+
+    def __init__(self, model: nn.Module, group: Any, what: str) -> None:
+        self.group = group
+        fsdp = _fsdp_params(model)
+        world = dist.get_world_size(group)
+        me = dist.get_rank(group)
+        self.trainable: list[_Shard] = []
+        self.frozen: list[_Shard] = []
+        self.by_id: dict[int, _Shard] = {}
+        for name, p in model.named_parameters():
+            fsdp_param = fsdp.get(id(p))
+            placements = getattr(p, "placements", ())
+            if fsdp_param is None or len(placements) != 1 or type(placements[0]).__name__ != "Shard":
+                raise NotImplementedError(
+                    f"{what}: parameter {name} ({type(p).__name__}, placements {placements}) is "
+                    "not sharded by FSDP2's fully_shard along one dimension of a 1-D mesh: apply "
+                    "fully_shard to the model (or its root) so that FSDP2 manages every "
+                    "parameter; tensor parallelism and HSDP are not supported."
+                )
+            ranks = [int(r) for r in p.device_mesh.mesh.flatten().tolist()]
+            if sorted(ranks) != list(range(world)):
+                raise NotImplementedError(
+                    f"{what}: parameter {name} is sharded over ranks {ranks}, not over all "
+                    f"{world} ranks: HSDP and sub-meshes are not supported."
+                )
+            param_dtype = getattr(fsdp_param, "param_dtype", None)
+            if param_dtype is not None and param_dtype != p.dtype:
+                raise NotImplementedError(
+                    f"{what}: parameter {name} is computed in {param_dtype} by FSDP2's "
+                    f"MixedPrecisionPolicy but stored in {p.dtype}; products would differ from "
+                    "the model FSDP2 runs. Shard the model without a param_dtype for the "
+                    "curvature computation."
+                )
+            if getattr(fsdp_param, "offload_to_cpu", False):
+                raise NotImplementedError(
+                    f"{what}: parameter {name} is offloaded to the CPU by FSDP2's "
+                    "CPUOffloadPolicy, which curvature products do not support."
+                )
+            shard = _Shard(name, p, fsdp_param, ranks, me)
+            (self.trainable if p.requires_grad else self.frozen).append(shard)
+            self.by_id[id(p)] = shard
+        if not self.trainable:
+            raise ValueError("The model has no trainable parameter.")
+
+    @property
+    def local_numels(self) -> list[int]:
+        """Numbers of local entries of the trainable parameters."""
+        return [int(s.param.to_local().numel()) for s in self.trainable]
+
+    def local_rows(self, full: Tensor) -> Tensor:
+        """This rank's rows of a `[P_global, K]` matrix laid out like the unsharded parameters."""
+        pieces, offset = [], 0
+        for s in self.trainable:
+            size = 1
+            for n in s.shape:
+                size *= n
+            block = full[offset : offset + size].reshape(*s.shape, full.shape[1])
+            pieces.append(s.chunk(block, s.chunk_of[s.me]).reshape(-1, full.shape[1]))
+            offset += size
+        return torch.cat(pieces)
+
+    @property
+    def global_numel(self) -> int:
+        """P: the number of entries of the unsharded trainable parameters."""
+        total = 0
+        for s in self.trainable:
+            size = 1
+            for n in s.shape:
+                size *= n
+            total += size
+        return total
+
+
+def all_gather_param(shard: _Shard, local: Tensor, group: Any) -> Tensor:
+    """The full parameter from every rank's local shard (plain tensors, one all-gather)."""
+    world = shard.world
+    dim = shard.dim
+    step = -(-shard.shape[dim] // world)
+    padded_shape = list(shard.shape)
+    padded_shape[dim] = step
+    padded = local.new_zeros(padded_shape)
+    padded.narrow(dim, 0, local.shape[dim]).copy_(local)
+    if world == 1:
+        return padded.narrow(dim, 0, local.shape[dim]).clone()
+    pieces = [torch.empty_like(padded) for _ in range(world)]
+    try:
+        dist.all_gather(pieces, padded, group=group)
+    except Exception as err:  # pragma: no cover - a rank died or timed out
+        raise RuntimeError(
+            f"A curvature product on the FSDP2 model could not gather {shard.name}: a rank did "
+            f"not get there within {_dist.TIMEOUT_S:g} s (backpack.distributed.TIMEOUT_S); see "
+            "the other ranks' errors."
+        ) from err
+    ordered = sorted(range(world), key=lambda g: shard.chunk_of[g])
+    parts = [
+        pieces[g].narrow(dim, 0, shard.chunk_shape(shard.chunk_of[g])[dim]) for g in ordered
+    ]
+    return torch.cat(parts, dim=dim)
+
+
+class _Gather(torch.autograd.Function):
+    """Local shard → full parameter; backward: reduce-scatter (sum over ranks)."""
+
+    @staticmethod
+    def forward(ctx: Any, local: Tensor, shard: _Shard, group: Any) -> Tensor:
+        ctx.shard, ctx.group = shard, group
+        return all_gather_param(shard, local, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad_full: Tensor) -> tuple:
+        return _Scatter.apply(grad_full, ctx.shard, ctx.group), None, None
+
+
+class _Scatter(torch.autograd.Function):
+    """Full tensor → this rank's chunk of its sum over ranks; backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx: Any, full: Tensor, shard: _Shard, group: Any) -> Tensor:
+        ctx.shard, ctx.group = shard, group
+        if shard.world == 1:
+            return full.clone()
+        (mine,) = _reduce_scatter(group, [(shard, full.contiguous())], "reduce a product")
+        return mine.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad_local: Tensor) -> tuple:
+        return _Gather.apply(grad_local, ctx.shard, ctx.group), None, None
+
+
+class _Token:
+    """What autograd keeps instead of a gathered parameter (or a view of it)."""
+
+    __slots__ = ("shard", "local", "size", "stride", "offset", "whole")
+
+    def __init__(self, shard: _Shard, local: Tensor, t: Tensor, whole: bool) -> None:
+        self.shard, self.local = shard, local
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+        self.whole = whole
+
+
+class Gathering:
+    """Inside `running(model)`: forwards of `model` gather parameters module by module.
+
+    `leaves` maps the id of every sharded parameter to the local tensor the forward uses
+    (for trainable ones, a leaf that requires grad: the variables of the products).
+    """
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.group = layout.group
+        self.leaves: dict[int, Tensor] = {}
+        for s in layout.trainable:
+            self.leaves[id(s.param)] = s.param.to_local().detach().requires_grad_(True)
+        for s in layout.frozen:
+            self.leaves[id(s.param)] = s.param.to_local().detach()
+        self._owned = WeakTensorKeyDictionary()  # gathered tensor -> (shard, local)
+
+    @property
+    def variables(self) -> list[Tensor]:
+        """The local leaves of the trainable parameters, in layout order."""
+        return [self.leaves[id(s.param)] for s in self.layout.trainable]
+
+    def gather(self, shard: _Shard, local: Tensor) -> Tensor:
+        if local.requires_grad:
+            full = _Gather.apply(local, shard, self.group)
+        else:
+            full = all_gather_param(shard, local, self.group)
+        self._owned[full] = (shard, local)
+        return full
+
+    # --- saved tensors: tokens instead of gathered parameters -----------------------------
+    def _pack(self, t: Tensor) -> Any:
+        if not isinstance(t, Tensor):
+            return t
+        whole = t in self._owned
+        base = t if whole else t._base
+        if base is None or base not in self._owned:
+            return t
+        shard, local = self._owned[base]
+        return _Token(shard, local.detach(), t, whole)
+
+    def _unpack(self, packed: Any) -> Any:
+        if not isinstance(packed, _Token):
+            return packed
+        full = all_gather_param(packed.shard, packed.local, self.group)
+        self._owned[full] = (packed.shard, packed.local)
+        if packed.whole:
+            return full
+        return full.as_strided(packed.size, packed.stride, packed.offset)
+
+    @contextmanager
+    def saving(self) -> Iterator[None]:
+        """Autograd keeps tokens for gathered parameters inside the block (forward and backward)."""
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+    # --- forwards ----------------------------------------------------------------------
+    @contextmanager
+    def running(self, model: nn.Module) -> Iterator[None]:
+        """FSDP's forward hooks off; each module gathers its own parameters in its forward."""
+        by_id = self.layout.by_id
+        with ExitStack() as stack:
+            for module in model.modules():
+                stack.enter_context(_without_fsdp_hooks(module))
+            for module in model.modules():
+                names = [n for n, p in module._parameters.items() if p is not None]
+                owned = [n for n in names if id(module._parameters[n]) in by_id]
+                if not owned:
+                    continue
+                saved: list[dict[str, Any]] = []
+
+                def pre(mod: nn.Module, args: Any, owned=owned, saved=saved) -> None:
+                    before = {n: mod._parameters[n] for n in owned}
+                    saved.append(before)
+                    for n, p in before.items():
+                        shard = by_id[id(p)]
+                        mod._parameters[n] = self.gather(shard, self.leaves[id(p)])
+
+                def post(mod: nn.Module, args: Any, output: Any, saved=saved) -> None:
+                    mod._parameters.update(saved.pop())
+
+                def restore(module=module, saved=saved) -> None:
+                    while saved:  # a forward that raised half-way
+                        module._parameters.update(saved.pop())
+
+                stack.callback(restore)
+                stack.callback(module.register_forward_pre_hook(pre).remove)
+                stack.callback(module.register_forward_hook(post, always_call=True).remove)
+            yield
+
+
+@contextmanager
+def _without_fsdp_hooks(module: nn.Module) -> Iterator[None]:
+    """`module`'s forward hook tables without FSDP2's entries, restored afterwards."""
+    tables = ("_forward_pre_hooks", "_forward_hooks")
+    originals = {t: getattr(module, t) for t in tables}
+
+    def fsdp(hook: Any) -> bool:
+        fn = getattr(hook, "func", hook)
+        fn = getattr(fn, "__func__", fn)
+        return str(getattr(fn, "__module__", "")).startswith(_FSDP_HOOK_MODULES)
+
+    if not any(fsdp(h) for t in tables for h in originals[t].values()):
+        yield
+        return
+    try:
+        for t, table in originals.items():
+            filtered = type(table)((k, h) for k, h in table.items() if not fsdp(h))
+            setattr(module, t, filtered)
+        yield
+    finally:
+        for t, table in originals.items():
+            setattr(module, t, table)
