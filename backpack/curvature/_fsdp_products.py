@@ -73,7 +73,8 @@ class Layout:
         for name, p in model.named_parameters():
             fsdp_param = fsdp.get(id(p))
             placements = getattr(p, "placements", ())
-            if fsdp_param is None or len(placements) != 1 or type(placements[0]).__name__ != "Shard":
+            sharded = len(placements) == 1 and type(placements[0]).__name__ == "Shard"
+            if fsdp_param is None or not sharded:
                 raise NotImplementedError(
                     f"{what}: parameter {name} ({type(p).__name__}, placements {placements}) is "
                     "not sharded by FSDP2's fully_shard along one dimension of a 1-D mesh: apply "
@@ -155,9 +156,7 @@ def all_gather_param(shard: _Shard, local: Tensor, group: Any) -> Tensor:
             "the other ranks' errors."
         ) from err
     ordered = sorted(range(world), key=lambda g: shard.chunk_of[g])
-    parts = [
-        pieces[g].narrow(dim, 0, shard.chunk_shape(shard.chunk_of[g])[dim]) for g in ordered
-    ]
+    parts = [pieces[g].narrow(dim, 0, shard.chunk_shape(shard.chunk_of[g])[dim]) for g in ordered]
     return torch.cat(parts, dim=dim)
 
 
@@ -314,3 +313,41 @@ def _without_fsdp_hooks(module: nn.Module) -> Iterator[None]:
     finally:
         for t, table in originals.items():
             setattr(module, t, table)
+
+
+def all_sum_values(group: Any, t: Tensor) -> Tensor:
+    """`t` summed over the ranks of `group` (a new tensor; `t` is left as it is)."""
+    out = t.detach().clone()
+    if dist.get_world_size(group) > 1:
+        try:
+            dist.all_reduce(out, group=group)
+        except Exception as err:  # pragma: no cover - a rank died or timed out
+            raise RuntimeError(
+                "Could not sum over the ranks of the FSDP2 model: a rank did not get there "
+                f"within {_dist.TIMEOUT_S:g} s (backpack.distributed.TIMEOUT_S)."
+            ) from err
+    return out
+
+
+def agree(group: Any, values: list[float], error: BaseException | None, what: str) -> Tensor:
+    """All-gather a few float64 numbers per rank after this rank's outcome (column 0: failed).
+
+    Raises this rank's `error`, or an error naming the first rank that failed.
+    """
+    device = _dist._header_device(group)
+    own = torch.tensor([float(error is not None), *values], dtype=torch.float64, device=device)
+    table = [torch.zeros_like(own) for _ in range(dist.get_world_size(group))]
+    try:
+        dist.all_gather(table, own, group=group)
+    except Exception as err:  # pragma: no cover - a rank died or timed out
+        raise RuntimeError(
+            f"{what}: a rank did not get there within {_dist.TIMEOUT_S:g} s "
+            "(backpack.distributed.TIMEOUT_S); see the other ranks' errors."
+        ) from err
+    rows = torch.stack(table).cpu()
+    if error is not None:
+        raise error
+    bad = [r for r, f in enumerate(rows[:, 0].tolist()) if f]
+    if bad:
+        raise RuntimeError(f"{what}: rank {bad[0]} failed (see its error); every rank stops here.")
+    return rows[:, 1:]

@@ -28,7 +28,6 @@ from backpack.curvature._data import (
 )
 from backpack.curvature._distributed import (
     all_sum,
-    check_not_fully_sharded,
     guarded,
     local_module,
     rank_of,
@@ -39,6 +38,7 @@ from backpack.curvature._forward import (
     refuse_unfaithful_gradients,
     refuse_unfixed_forward,
 )
+from backpack.curvature._fsdp_products import Gathering, Layout, agree, product_group
 from backpack.curvature._sweep import Sweep
 from backpack.curvature.accumulate import accumulate_over
 from backpack.curvature.cg import CGInfo, NotPositiveDefiniteError, conjugate_gradients
@@ -52,9 +52,16 @@ class CurvatureOperator:
 
     Subclasses implement `_matmat` on `[P, K]` matrices (and may override `diagonal`).
 
+    On a model sharded with FSDP2 (`fully_shard`, its parameters DTensors) a vector is this
+    rank's local shards: the flat concatenation of `p.to_local().reshape(-1)` over the trainable
+    parameters, `shape` is `(P_local, P_local)` and `sharded` is True. Products are then
+    collectives (every rank multiplies) returning this rank's rows; `global_size`,
+    `local_rows` and `sum_over_ranks` let estimators work with such vectors.
+
     Attributes:
         names: Trainable parameter names, in `model.parameters()` order.
-        shapes: Their shapes.
+        shapes: Their shapes (on a sharded model: of the local shards).
+        sharded: Whether vectors are local shards of an FSDP2 model.
     """
 
     def __init__(self, model: nn.Module, params: list[tuple[str, nn.Parameter]]) -> None:
@@ -62,16 +69,73 @@ class CurvatureOperator:
             raise ValueError("The model has no trainable parameter.")
         self.model = model
         self.names = [name for name, _ in params]
-        self.shapes = [tuple(p.shape) for _, p in params]
-        self.numels = [p.numel() for _, p in params]
+        locals_ = [_local(p) for _, p in params]
+        self.sharded = any(t is not p for t, (_, p) in zip(locals_, params))
+        self.shapes = [tuple(t.shape) for t in locals_]
+        self.numels = [t.numel() for t in locals_]
         self.dtype = params[0][1].dtype
-        self.device = params[0][1].device
+        self.device = locals_[0].device
+        self._global_numels = [p.numel() for _, p in params]
+        #: `(mesh, placements, shape, stride)` of each sharded parameter (DTensor vectors)
+        self._placements = [
+            (p.device_mesh, p.placements, p.shape, p.stride()) if t is not p else None
+            for t, (_, p) in zip(locals_, params)
+        ]
 
     @property
     def shape(self) -> tuple[int, int]:
-        """`(P, P)`."""
+        """`(P, P)` (`(P_local, P_local)` on a sharded model)."""
         size = sum(self.numels)
         return size, size
+
+    @property
+    def global_size(self) -> int:
+        """P: the number of trainable parameters (unsharded)."""
+        return sum(self._global_numels)
+
+    def local_rows(self, full: Tensor) -> Tensor:
+        """This rank's rows of a `[P, K]` matrix laid out like the unsharded parameters.
+
+        The identity on an unsharded model; on an FSDP2 model, the rows of this rank's shards
+        (torch.chunk along each parameter's sharded dimension, as FSDP2 shards).
+        """
+        if not self.sharded:
+            return full
+        pieces, offset = [], 0
+        for numel, local, meta in zip(self._global_numels, self.shapes, self._placements):
+            block = full[offset : offset + numel]
+            offset += numel
+            if meta is None:
+                pieces.append(block)
+                continue
+            mesh, placements, shape, _ = meta
+            (placement,) = placements
+            dim = placement.dim
+            world = mesh.size()
+            me = mesh.get_local_rank()
+            step = -(-shape[dim] // world)
+            start = min(shape[dim], me * step)
+            part = block.reshape(*shape, -1).narrow(dim, start, local[dim])
+            pieces.append(part.reshape(-1, full.shape[1]))
+        return torch.cat(pieces)
+
+    def sum_over_ranks(self, t: Tensor) -> Tensor:
+        """`t` summed over the ranks (a collective) on a sharded model, else `t` itself.
+
+        For partial sums over this rank's rows (inner products, norms) of sharded vectors.
+        """
+        if not self.sharded:
+            return t
+        from backpack.curvature._fsdp_products import all_sum_values, product_group
+
+        return all_sum_values(product_group(getattr(self, "_group", None)), t)
+
+    def _refuse_sharded(self, what: str, instead: str) -> None:
+        if self.sharded:
+            raise NotImplementedError(
+                f"{type(self).__name__}.{what} is not available on a model sharded with FSDP2 "
+                f"(fully_shard): {instead}"
+            )
 
     def _matmat(self, V: Tensor) -> Tensor:
         raise NotImplementedError
@@ -84,17 +148,53 @@ class CurvatureOperator:
         """
         yield
 
-    def __matmul__(self, v: Tensor) -> Tensor:
-        """The product with `v` of shape `[P]` or `[P, K]` (same shape out)."""
+    def __matmul__(self, v: Any) -> Any:
+        """The product with `v` of shape `[P]` or `[P, K]` (same shape out).
+
+        On a sharded model also a list of DTensors laid out like the trainable parameters
+        (a list of DTensors out).
+        """
+        if isinstance(v, (list, tuple)) and self.sharded:
+            return self._matmul_dtensors(list(v))
         if not isinstance(v, Tensor):
             return NotImplemented
         if v.dim() not in (1, 2) or v.shape[0] != self.shape[0]:
+            local = " (this rank's local shards)" if self.sharded else ""
             raise ValueError(
                 f"{type(self).__name__} multiplies [P] or [P, K] tensors with P = "
-                f"{self.shape[0]}, got shape {tuple(v.shape)}."
+                f"{self.shape[0]}{local}, got shape {tuple(v.shape)}."
             )
         V = v.reshape(self.shape[0], -1).to(device=self.device, dtype=self.dtype)
         return self._matmat(V).reshape(v.shape)
+
+    def _matmul_dtensors(self, vs: list[Any]) -> list[Any]:
+        from torch.distributed.tensor import DTensor
+
+        if len(vs) != len(self.names) or not all(isinstance(t, DTensor) for t in vs):
+            raise ValueError(
+                f"{type(self).__name__} multiplies a list of {len(self.names)} DTensors laid out "
+                "like the trainable parameters (or this rank's flat local shards), got "
+                f"{[type(t).__name__ for t in vs]}."
+            )
+        flat = []
+        for t, meta, name in zip(vs, self._placements, self.names):
+            if meta is None or tuple(t.shape) != tuple(meta[2]) or t.placements != meta[1]:
+                raise ValueError(
+                    f"The DTensor for {name} has shape {tuple(t.shape)} and placements "
+                    f"{t.placements}; the parameter has {None if meta is None else meta[2]} and "
+                    f"{None if meta is None else meta[1]}."
+                )
+            flat.append(t.to_local().reshape(-1))
+        out = self @ torch.cat(flat)
+        result = []
+        for block, meta, local in zip(out.split(self.numels), self._placements, self.shapes):
+            mesh, placements, shape, stride = meta
+            result.append(
+                DTensor.from_local(
+                    block.reshape(local), mesh, placements, shape=shape, stride=stride
+                )
+            )
+        return result
 
     def matmat(self, V: Tensor) -> Tensor:
         """The product with a `[P, K]` matrix."""
@@ -111,6 +211,12 @@ class CurvatureOperator:
 
     def to_dense(self) -> Tensor:
         """The dense `[P, P]` matrix (P products; mind the memory)."""
+        self._refuse_sharded(
+            "to_dense()",
+            "a dense matrix needs every parameter's rows on one rank. Use products, "
+            "diagonal(), trace(), eigvalsh or the estimators, or build the operator on an "
+            "unsharded copy of the model with distributed=True.",
+        )
         eye = torch.eye(self.shape[0], dtype=self.dtype, device=self.device)
         dense = self @ eye
         return (dense + dense.T) / 2
@@ -120,11 +226,17 @@ class CurvatureOperator:
         return self.to_dense().diagonal().clone()
 
     def trace(self) -> Tensor:
-        """The trace (sum of `diagonal()`)."""
-        return self.diagonal().sum()
+        """The trace (sum of `diagonal()`; on a sharded model summed over the ranks)."""
+        return self.sum_over_ranks(self.diagonal().sum())
 
     def to_scipy(self):
         """A `scipy.sparse.linalg.LinearOperator` (float64 numpy in and out; needs SciPy)."""
+        self._refuse_sharded(
+            "to_scipy()",
+            "SciPy's solvers take inner products of whole vectors, which a rank's shards are "
+            "not. Use backpack.curvature.eigvalsh or inverse(damping) (conjugate gradients), "
+            "which sum inner products over the ranks.",
+        )
         try:
             from scipy.sparse.linalg import LinearOperator
         except ImportError as err:  # pragma: no cover - depends on the environment
@@ -149,6 +261,12 @@ class CurvatureOperator:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(shape={self.shape}, dtype={self.dtype})"
+
+
+def _local(p: Tensor) -> Tensor:
+    """A DTensor's local shard (the tensor itself otherwise)."""
+    to_local = getattr(p, "to_local", None)
+    return to_local() if callable(to_local) and type(p).__name__ == "DTensor" else p
 
 
 class CGInverse(CurvatureOperator):
@@ -197,9 +315,12 @@ class CGInverse(CurvatureOperator):
         self.model = op.model
         self.names, self.shapes, self.numels = op.names, op.shapes, op.numels
         self.dtype, self.device = op.dtype, op.device
+        self.sharded = op.sharded
+        self._global_numels, self._placements = op._global_numels, op._placements
+        self._group = getattr(op, "_group", None)
         self.damping = float(damping)
         self.tol = float(tol)
-        self.max_iter = max_iter if max_iter is not None else min(2 * op.shape[0], 1000)
+        self.max_iter = max_iter if max_iter is not None else min(2 * op.global_size, 1000)
         self.preconditioner = preconditioner
         self.info: CGInfo | None = None
 
@@ -217,6 +338,7 @@ class CGInverse(CurvatureOperator):
                     max_iter=self.max_iter,
                     preconditioner=precondition,
                     name=name,
+                    total=self.sum_over_ranks if self.sharded else None,
                 )
         except NotPositiveDefiniteError as err:
             if isinstance(self.op, Hessian) and "pᵀSp" in str(err):
@@ -266,7 +388,6 @@ class _DataOperator(CurvatureOperator):
         name = type(self).__name__
         needs_reiterable(data, name)
         model = local_module(model)
-        check_not_fully_sharded(model, name)
         if forward_seed is not None and (
             isinstance(forward_seed, bool) or not isinstance(forward_seed, int)
         ):
@@ -288,6 +409,16 @@ class _DataOperator(CurvatureOperator):
             what=name,
         )
         self._fingerprint = self.sweep.fingerprint()
+        #: where the parameters of an FSDP2 model live (None for an unsharded model)
+        self.layout: Layout | None = None
+        if self.sweep.sharded:
+            if distributed is False:
+                raise ValueError(
+                    f"{name}(..., distributed=False) cannot use a model sharded with FSDP2 "
+                    "(fully_shard): its products are collectives over every rank, each rank "
+                    "sweeping its own shard of the data. Pass distributed=None or True."
+                )
+            self.layout = Layout(model, product_group(self.sweep.group), name)
 
     lossfunc = property(lambda self: self.sweep.lossfunc, doc="The loss.")
     data = property(lambda self: self.sweep.data, doc="The batches every product sweeps.")
@@ -363,6 +494,9 @@ class _DataOperator(CurvatureOperator):
         return stack
 
     def _matmat(self, V: Tensor) -> Tensor:
+        if self.layout is not None:
+            return self._sharded_matmat(V)
+
         def local() -> tuple[Tensor, float]:
             out = torch.zeros_like(V)
             total = 0.0
@@ -375,6 +509,116 @@ class _DataOperator(CurvatureOperator):
 
         out, total = self._global(local, torch.zeros_like(V))
         return out / self.sweep.total(total)
+
+    def _sharded_matmat(self, V: Tensor) -> Tensor:
+        """This rank's rows of the product on an FSDP2 model (a collective, see `_fsdp_products`).
+
+        Every rank sweeps its own batches, one batch of each rank at a time: the ranks first
+        agree that each has a batch (or stop together), then take the batch's product together
+        (the gathers and reduce-scatters inside sum the ranks' contributions), then exchange
+        their outcome and `ν_b`. The ranks must have the same number of batches (sizes may
+        differ).
+        """
+        group = self.layout.group
+        what = f"{type(self).__name__} @ [P, {V.shape[1]}] (FSDP2)"
+        out = torch.zeros_like(V)
+        total, index = 0.0, 0
+        batches = self._sweep(what)
+        try:
+            while True:
+                batch, error = None, None
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    pass
+                except Exception as err:  # noqa: BLE001 - agreed with the other ranks first
+                    error = err
+                table = agree(group, [float(batch is not None)], error, f"{what}, batch {index}")
+                has = table[:, 0].tolist()
+                if not any(has):
+                    break
+                if not all(has):
+                    raise RuntimeError(
+                        f"{what}: the ranks' shards have different numbers of batches: ranks "
+                        f"{[r for r, h in enumerate(has) if h]} have a batch {index}, ranks "
+                        f"{[r for r, h in enumerate(has) if not h]} have none. Every rank must "
+                        "sweep the same number of batches (their sizes may differ): the "
+                        "products are collectives over every rank."
+                    )
+                assert batch is not None
+                contribution, nu, error = None, 0.0, None
+                try:
+                    contribution, nu = self._sharded_batch(batch, V, Gathering(self.layout))
+                except Exception as err:  # noqa: BLE001 - agreed with the other ranks first
+                    error = err
+                table = agree(group, [nu], error, f"{what}, batch {index}")
+                total += float(table[:, 0].sum())
+                out += contribution
+                index += 1
+        finally:
+            batches.close()
+        return out / self.sweep.total(total)
+
+    def _sharded_batch(self, batch: Batch, V: Tensor, gathering: Gathering) -> tuple[Tensor, float]:
+        """This rank's rows of the batch's product summed over ranks (sum scale), and its `ν_b`."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not support a model sharded with FSDP2 (fully_shard)."
+        )
+
+    def _sharded_forward(self, batch: Batch, gathering: Gathering) -> tuple[Tensor, float]:
+        """The batch's output with its graph (parameters gathered module by module), and `ν_b`."""
+        model = self.model
+        with disable(), torch.enable_grad(), product_forward(model):
+            with gathering.running(model), gathering.saving():
+                output = model(batch.X)
+        if not output.requires_grad:
+            raise ValueError(
+                f"{type(self).__name__}: the model's output does not depend on its trainable "
+                "parameters."
+            )
+        return output, self._nu(output.detach(), batch.y)
+
+    def _output_products(
+        self, output: Tensor, V: Tensor, gathering: Gathering, curvature: Callable
+    ) -> Tensor:
+        """`Jᵀ C J V` column by column, `C = curvature` (a map on output-shaped tensors).
+
+        `J V` by reverse mode only, as in `GGN`: the derivative along v of `u ↦ Jᵀu`.
+        """
+        variables = gathering.variables
+        blocks = self.split(V)
+        columns = []
+        with torch.enable_grad(), gathering.saving():
+            dummy = torch.zeros_like(output, requires_grad=True)
+            pulled = torch.autograd.grad(
+                output,
+                variables,
+                dummy,
+                create_graph=True,
+                allow_unused=True,
+                materialize_grads=True,
+            )
+            live = [i for i, g in enumerate(pulled) if g.requires_grad]
+            for k in range(V.shape[1]):
+                if live:
+                    (jv,) = torch.autograd.grad(
+                        [pulled[i] for i in live],
+                        dummy,
+                        [blocks[i][k] for i in live],
+                        retain_graph=True,
+                    )
+                else:
+                    jv = torch.zeros_like(output)
+                back = torch.autograd.grad(
+                    output,
+                    variables,
+                    curvature(jv),
+                    retain_graph=k + 1 < V.shape[1],
+                    allow_unused=True,
+                    materialize_grads=True,
+                )
+                columns.append(torch.cat([b.reshape(-1) for b in back]))
+        return torch.stack(columns, dim=1)
 
     def _global(
         self, local: Callable[[], tuple[Tensor, float]], empty: Tensor
@@ -481,12 +725,35 @@ class GGN(_DataOperator):
             raise ValueError(f"mc_samples must be None or a positive integer, got {mc_samples!r}.")
         self.mc_samples = mc_samples
         self.seed = seed
+        if mc_samples is not None and self.layout is not None:
+            raise NotImplementedError(
+                "GGN(mc_samples=...) does not support a model sharded with FSDP2 (fully_shard): "
+                "its sampled square-root factors are per-sample rows of whole parameters. Use "
+                "the exact GGN (mc_samples=None), or KFAC(fisher_type='mc')."
+            )
 
     def _matmat(self, V: Tensor) -> Tensor:
         if self.mc_samples is None:
             with _twice_differentiable(type(self).__name__):
                 return super()._matmat(V)
         return self._mc_sweep(V)
+
+    def _sharded_batch(self, batch, V, gathering):  # noqa: D102
+        output, nu = self._sharded_forward(batch, gathering)
+        empty = self.sweep.empty(nu)
+        target = output.detach().requires_grad_(True)
+        if not empty:
+            with torch.enable_grad():
+                loss = self.lossfunc(target, batch.y) * self._scale(nu)
+                (slope,) = torch.autograd.grad(loss, target, create_graph=True)
+
+        def curvature(jv: Tensor) -> Tensor:
+            if empty:  # no loss term, but the same collectives as the other ranks
+                return torch.zeros_like(jv)
+            (hjv,) = torch.autograd.grad(slope, target, jv, retain_graph=True)
+            return hjv
+
+        return self._output_products(output, V, gathering, curvature), nu
 
     def _batch_product(self, batch, V):  # noqa: D102
         names, params = zip(*trainable(self.model))
@@ -652,7 +919,7 @@ class Hessian(_DataOperator):
         forward needs `forward_seed` (see `GGN`): every sweep draws the same masks, so the kept
         graphs and a new sweep give the same products.
         """
-        if self._kept is not None:  # nested: the outer block keeps
+        if self._kept is not None or self.layout is not None:  # nested, or FSDP2: no graphs
             yield
             return
         budget = self.KEPT_GRAPH_BYTES if max_bytes is None else max_bytes
@@ -707,6 +974,38 @@ class Hessian(_DataOperator):
             )
         live = [i for i, g in enumerate(grads) if g.requires_grad]
         return _Graph(names, params, grads, live, nu)
+
+    def _sharded_batch(self, batch, V, gathering):  # noqa: D102
+        variables = gathering.variables
+        blocks = self.split(V)
+        model = self.model
+        with disable(), torch.enable_grad(), product_forward(model), gathering.saving():
+            with gathering.running(model):
+                output = model(batch.X)
+            nu = self._nu(output.detach(), batch.y)
+            if self.sweep.empty(nu):  # no loss term, but the same collectives as the others
+                loss = output.square().sum() * 0.0
+            else:
+                loss = self.lossfunc(output, batch.y) * self._scale(nu)
+            grads = torch.autograd.grad(
+                loss, variables, create_graph=True, allow_unused=True, materialize_grads=True
+            )
+            live = [i for i, g in enumerate(grads) if g.requires_grad]
+            columns = []
+            for k in range(V.shape[1]):
+                if not live:
+                    columns.append(V.new_zeros(V.shape[0]))
+                    continue
+                hv = torch.autograd.grad(
+                    [grads[i] for i in live],
+                    variables,
+                    [blocks[i][k] for i in live],
+                    retain_graph=k + 1 < V.shape[1],
+                    allow_unused=True,
+                    materialize_grads=True,
+                )
+                columns.append(torch.cat([h.reshape(-1) for h in hv]))
+        return torch.stack(columns, dim=1), nu
 
     def _batch_product(self, batch, V):  # noqa: D102
         kept = self._kept
@@ -816,6 +1115,32 @@ class EmpiricalFisher(_DataOperator):
     (an `[N_b, P]` matrix) and two matrix products. `diagonal()` is one
     `accumulate(SumGradSquared())` sweep.
     """
+
+    def _sharded_batch(self, batch, V, gathering):  # noqa: D102
+        output, nu = self._sharded_forward(batch, gathering)
+        if output.dim() == 0 or output.shape[0] != batch.num_samples:
+            raise NotImplementedError(
+                "EmpiricalFisher on a model sharded with FSDP2 (fully_shard) takes the rows of "
+                "the model's output as its samples; this output has shape "
+                f"{tuple(output.shape)} for {batch.num_samples} samples. Use the GGN, or an "
+                "unsharded copy of the model with distributed=True."
+            )
+        empty = self.sweep.empty(nu)
+        rows = None
+        if not empty:
+            target = output.detach().requires_grad_(True)
+            with torch.enable_grad():
+                loss = self.lossfunc(target, batch.y) * self._scale(nu)
+                (rows,) = torch.autograd.grad(loss, target)
+
+        def curvature(jv: Tensor) -> Tensor:
+            # Σ_n g_n g_nᵀ J_n v: each sample's output gradient times its directional derivative
+            if rows is None:
+                return torch.zeros_like(jv)
+            dims = tuple(range(1, jv.dim()))
+            return rows * (rows * jv).sum(dim=dims, keepdim=True)
+
+        return self._output_products(output, V, gathering, curvature), nu
 
     def _batch_product(self, batch, V):  # noqa: D102
         self.sweep.extend()
