@@ -203,7 +203,7 @@ class CurvatureOperator:
     def split(self, V: Tensor) -> list[Tensor]:
         """`[P, K]` → one `[K, *shape]` tensor per parameter."""
         blocks = V.split(self.numels, dim=0)
-        return [b.T.reshape(-1, *s) for b, s in zip(blocks, self.shapes)]
+        return [b.T.reshape(b.shape[1], *s) for b, s in zip(blocks, self.shapes)]
 
     def join(self, blocks: list[Tensor]) -> Tensor:
         """Inverse of `split`: one `[K, *shape]` tensor per parameter → `[P, K]`."""
@@ -523,6 +523,7 @@ class _DataOperator(CurvatureOperator):
         what = f"{type(self).__name__} @ [P, {V.shape[1]}] (FSDP2)"
         out = torch.zeros_like(V)
         total, index = 0.0, 0
+        blocks = self.split(V)  # [K, *local shape] per parameter
         batches = self._sweep(what)
         try:
             while True:
@@ -548,7 +549,8 @@ class _DataOperator(CurvatureOperator):
                 assert batch is not None
                 contribution, nu, error = None, 0.0, None
                 try:
-                    contribution, nu = self._sharded_batch(batch, V, Gathering(self.layout))
+                    gathering = Gathering(self.layout)
+                    contribution, nu = self._sharded_batch(batch, blocks, gathering)
                 except Exception as err:  # noqa: BLE001 - agreed with the other ranks first
                     error = err
                 table = agree(group, [nu], error, f"{what}, batch {index}")
@@ -559,8 +561,13 @@ class _DataOperator(CurvatureOperator):
             batches.close()
         return out / self.sweep.total(total)
 
-    def _sharded_batch(self, batch: Batch, V: Tensor, gathering: Gathering) -> tuple[Tensor, float]:
-        """This rank's rows of the batch's product summed over ranks (sum scale), and its `ν_b`."""
+    def _sharded_batch(
+        self, batch: Batch, blocks: list[Tensor], gathering: Gathering
+    ) -> tuple[Tensor, float]:
+        """This rank's rows of the batch's product summed over ranks (sum scale), and its `ν_b`.
+
+        `blocks`: the K columns as one `[K, *local shape]` tensor per parameter (`split`).
+        """
         raise NotImplementedError(
             f"{type(self).__name__} does not support a model sharded with FSDP2 (fully_shard)."
         )
@@ -579,14 +586,14 @@ class _DataOperator(CurvatureOperator):
         return output, self._nu(output.detach(), batch.y)
 
     def _output_products(
-        self, output: Tensor, V: Tensor, gathering: Gathering, curvature: Callable
+        self, output: Tensor, blocks: list[Tensor], gathering: Gathering, curvature: Callable
     ) -> Tensor:
         """`Jᵀ C J V` column by column, `C = curvature` (a map on output-shaped tensors).
 
         `J V` by reverse mode only, as in `GGN`: the derivative along v of `u ↦ Jᵀu`.
         """
         variables = gathering.variables
-        blocks = self.split(V)
+        count = blocks[0].shape[0]
         columns = []
         with torch.enable_grad(), gathering.saving():
             dummy = torch.zeros_like(output, requires_grad=True)
@@ -599,7 +606,7 @@ class _DataOperator(CurvatureOperator):
                 materialize_grads=True,
             )
             live = [i for i, g in enumerate(pulled) if g.requires_grad]
-            for k in range(V.shape[1]):
+            for k in range(count):
                 if live:
                     (jv,) = torch.autograd.grad(
                         [pulled[i] for i in live],
@@ -613,7 +620,7 @@ class _DataOperator(CurvatureOperator):
                     output,
                     variables,
                     curvature(jv),
-                    retain_graph=k + 1 < V.shape[1],
+                    retain_graph=k + 1 < count,
                     allow_unused=True,
                     materialize_grads=True,
                 )
@@ -738,7 +745,7 @@ class GGN(_DataOperator):
                 return super()._matmat(V)
         return self._mc_sweep(V)
 
-    def _sharded_batch(self, batch, V, gathering):  # noqa: D102
+    def _sharded_batch(self, batch, blocks, gathering):  # noqa: D102
         output, nu = self._sharded_forward(batch, gathering)
         empty = self.sweep.empty(nu)
         target = output.detach().requires_grad_(True)
@@ -753,7 +760,7 @@ class GGN(_DataOperator):
             (hjv,) = torch.autograd.grad(slope, target, jv, retain_graph=True)
             return hjv
 
-        return self._output_products(output, V, gathering, curvature), nu
+        return self._output_products(output, blocks, gathering, curvature), nu
 
     def _batch_product(self, batch, V):  # noqa: D102
         names, params = zip(*trainable(self.model))
@@ -975,9 +982,9 @@ class Hessian(_DataOperator):
         live = [i for i, g in enumerate(grads) if g.requires_grad]
         return _Graph(names, params, grads, live, nu)
 
-    def _sharded_batch(self, batch, V, gathering):  # noqa: D102
+    def _sharded_batch(self, batch, blocks, gathering):  # noqa: D102
         variables = gathering.variables
-        blocks = self.split(V)
+        count = blocks[0].shape[0]
         model = self.model
         with disable(), torch.enable_grad(), product_forward(model), gathering.saving():
             with gathering.running(model):
@@ -992,15 +999,15 @@ class Hessian(_DataOperator):
             )
             live = [i for i, g in enumerate(grads) if g.requires_grad]
             columns = []
-            for k in range(V.shape[1]):
+            for k in range(count):
                 if not live:
-                    columns.append(V.new_zeros(V.shape[0]))
+                    columns.append(blocks[0].new_zeros(sum(self.numels)))
                     continue
                 hv = torch.autograd.grad(
                     [grads[i] for i in live],
                     variables,
                     [blocks[i][k] for i in live],
-                    retain_graph=k + 1 < V.shape[1],
+                    retain_graph=k + 1 < count,
                     allow_unused=True,
                     materialize_grads=True,
                 )
@@ -1116,7 +1123,7 @@ class EmpiricalFisher(_DataOperator):
     `accumulate(SumGradSquared())` sweep.
     """
 
-    def _sharded_batch(self, batch, V, gathering):  # noqa: D102
+    def _sharded_batch(self, batch, blocks, gathering):  # noqa: D102
         output, nu = self._sharded_forward(batch, gathering)
         if output.dim() == 0 or output.shape[0] != batch.num_samples:
             raise NotImplementedError(
@@ -1140,7 +1147,7 @@ class EmpiricalFisher(_DataOperator):
             dims = tuple(range(1, jv.dim()))
             return rows * (rows * jv).sum(dim=dims, keepdim=True)
 
-        return self._output_products(output, V, gathering, curvature), nu
+        return self._output_products(output, blocks, gathering, curvature), nu
 
     def _batch_product(self, batch, V):  # noqa: D102
         self.sweep.extend()
