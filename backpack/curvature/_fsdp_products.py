@@ -65,6 +65,7 @@ class Layout:
     def __init__(self, model: nn.Module, group: Any, what: str) -> None:
         self.group = group
         fsdp = _fsdp_params(model)
+        policies = _param_dtypes(model)
         world = dist.get_world_size(group)
         me = dist.get_rank(group)
         self.trainable: list[_Shard] = []
@@ -87,7 +88,7 @@ class Layout:
                     f"{what}: parameter {name} is sharded over ranks {ranks}, not over all "
                     f"{world} ranks: HSDP and sub-meshes are not supported."
                 )
-            param_dtype = getattr(fsdp_param, "param_dtype", None)
+            param_dtype = policies.get(id(p))
             if param_dtype is not None and param_dtype != p.dtype:
                 raise NotImplementedError(
                     f"{what}: parameter {name} is computed in {param_dtype} by FSDP2's "
@@ -133,6 +134,21 @@ class Layout:
                 size *= n
             total += size
         return total
+
+
+def _param_dtypes(model: nn.Module) -> dict[int, torch.dtype | None]:
+    """`{id(sharded parameter): the param_dtype of its MixedPrecisionPolicy}` (set at init)."""
+    found: dict[int, torch.dtype | None] = {}
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        state = get_state()
+        group = getattr(state, "_fsdp_param_group", None)
+        policy = getattr(group, "mp_policy", None) or getattr(state, "_mp_policy", None)
+        for fsdp_param in getattr(group, "fsdp_params", None) or []:
+            found[id(fsdp_param.sharded_param)] = getattr(policy, "param_dtype", None)
+    return found
 
 
 def all_gather_param(shard: _Shard, local: Tensor, group: Any) -> Tensor:

@@ -547,26 +547,25 @@ class _DataOperator(CurvatureOperator):
                         "products are collectives over every rank."
                     )
                 assert batch is not None
-                contribution, nu, error = None, 0.0, None
+                nu, error = 0.0, None
                 try:
-                    gathering = Gathering(self.layout)
-                    contribution, nu = self._sharded_batch(batch, blocks, gathering)
+                    nu = self._sharded_batch(batch, blocks, Gathering(self.layout), out)
                 except Exception as err:  # noqa: BLE001 - agreed with the other ranks first
                     error = err
                 table = agree(group, [nu], error, f"{what}, batch {index}")
                 total += float(table[:, 0].sum())
-                out += contribution
                 index += 1
         finally:
             batches.close()
         return out / self.sweep.total(total)
 
     def _sharded_batch(
-        self, batch: Batch, blocks: list[Tensor], gathering: Gathering
-    ) -> tuple[Tensor, float]:
-        """This rank's rows of the batch's product summed over ranks (sum scale), and its `ν_b`.
+        self, batch: Batch, blocks: list[Tensor], gathering: Gathering, out: Tensor
+    ) -> float:
+        """Add this rank's rows of the batch's product (summed over ranks, sum scale) to `out`.
 
         `blocks`: the K columns as one `[K, *local shape]` tensor per parameter (`split`).
+        Returns the batch's `ν_b`.
         """
         raise NotImplementedError(
             f"{type(self).__name__} does not support a model sharded with FSDP2 (fully_shard)."
@@ -586,15 +585,19 @@ class _DataOperator(CurvatureOperator):
         return output, self._nu(output.detach(), batch.y)
 
     def _output_products(
-        self, output: Tensor, blocks: list[Tensor], gathering: Gathering, curvature: Callable
-    ) -> Tensor:
-        """`Jᵀ C J V` column by column, `C = curvature` (a map on output-shaped tensors).
+        self,
+        output: Tensor,
+        blocks: list[Tensor],
+        gathering: Gathering,
+        curvature: Callable,
+        out: Tensor,
+    ) -> None:
+        """Add `Jᵀ C J V` to `out`, column by column, `C = curvature` (on output-shaped tensors).
 
         `J V` by reverse mode only, as in `GGN`: the derivative along v of `u ↦ Jᵀu`.
         """
         variables = gathering.variables
         count = blocks[0].shape[0]
-        columns = []
         with torch.enable_grad(), gathering.saving():
             dummy = torch.zeros_like(output, requires_grad=True)
             pulled = torch.autograd.grad(
@@ -624,8 +627,14 @@ class _DataOperator(CurvatureOperator):
                     allow_unused=True,
                     materialize_grads=True,
                 )
-                columns.append(torch.cat([b.reshape(-1) for b in back]))
-        return torch.stack(columns, dim=1)
+                self._add_column(out, k, back)
+
+    def _add_column(self, out: Tensor, k: int, pieces: tuple[Tensor, ...]) -> None:
+        """Add one parameter-shaped piece per parameter to column k of `out` (no copies)."""
+        offset = 0
+        for piece, numel in zip(pieces, self.numels):
+            out[offset : offset + numel, k] += piece.reshape(-1)
+            offset += numel
 
     def _global(
         self, local: Callable[[], tuple[Tensor, float]], empty: Tensor
@@ -745,7 +754,7 @@ class GGN(_DataOperator):
                 return super()._matmat(V)
         return self._mc_sweep(V)
 
-    def _sharded_batch(self, batch, blocks, gathering):  # noqa: D102
+    def _sharded_batch(self, batch, blocks, gathering, out):  # noqa: D102
         output, nu = self._sharded_forward(batch, gathering)
         empty = self.sweep.empty(nu)
         target = output.detach().requires_grad_(True)
@@ -760,7 +769,8 @@ class GGN(_DataOperator):
             (hjv,) = torch.autograd.grad(slope, target, jv, retain_graph=True)
             return hjv
 
-        return self._output_products(output, blocks, gathering, curvature), nu
+        self._output_products(output, blocks, gathering, curvature, out)
+        return nu
 
     def _batch_product(self, batch, V):  # noqa: D102
         names, params = zip(*trainable(self.model))
@@ -982,7 +992,7 @@ class Hessian(_DataOperator):
         live = [i for i, g in enumerate(grads) if g.requires_grad]
         return _Graph(names, params, grads, live, nu)
 
-    def _sharded_batch(self, batch, blocks, gathering):  # noqa: D102
+    def _sharded_batch(self, batch, blocks, gathering, out):  # noqa: D102
         variables = gathering.variables
         count = blocks[0].shape[0]
         model = self.model
@@ -998,11 +1008,7 @@ class Hessian(_DataOperator):
                 loss, variables, create_graph=True, allow_unused=True, materialize_grads=True
             )
             live = [i for i, g in enumerate(grads) if g.requires_grad]
-            columns = []
-            for k in range(count):
-                if not live:
-                    columns.append(blocks[0].new_zeros(sum(self.numels)))
-                    continue
+            for k in range(count if live else 0):
                 hv = torch.autograd.grad(
                     [grads[i] for i in live],
                     variables,
@@ -1011,8 +1017,8 @@ class Hessian(_DataOperator):
                     allow_unused=True,
                     materialize_grads=True,
                 )
-                columns.append(torch.cat([h.reshape(-1) for h in hv]))
-        return torch.stack(columns, dim=1), nu
+                self._add_column(out, k, hv)
+        return nu
 
     def _batch_product(self, batch, V):  # noqa: D102
         kept = self._kept
@@ -1123,7 +1129,7 @@ class EmpiricalFisher(_DataOperator):
     `accumulate(SumGradSquared())` sweep.
     """
 
-    def _sharded_batch(self, batch, blocks, gathering):  # noqa: D102
+    def _sharded_batch(self, batch, blocks, gathering, out):  # noqa: D102
         output, nu = self._sharded_forward(batch, gathering)
         if output.dim() == 0 or output.shape[0] != batch.num_samples:
             raise NotImplementedError(
@@ -1147,7 +1153,8 @@ class EmpiricalFisher(_DataOperator):
             dims = tuple(range(1, jv.dim()))
             return rows * (rows * jv).sum(dim=dims, keepdim=True)
 
-        return self._output_products(output, blocks, gathering, curvature), nu
+        self._output_products(output, blocks, gathering, curvature, out)
+        return nu
 
     def _batch_product(self, batch, V):  # noqa: D102
         self.sweep.extend()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from curvature_problems import PROBLEMS
 from distributed_checks import run_checks
 from torch import nn
@@ -36,16 +37,27 @@ def close(a, b, what: str, rtol: float = 1e-9, atol: float = 1e-11) -> None:
     )
 
 
-def sharded_model(problem, nested: bool) -> nn.Module:
-    """The problem's model with fully_shard on each child with parameters (nested) and the root."""
-    from torch.distributed.fsdp import fully_shard
+def sharded_model(problem, nested: bool | str, param_dtype=None) -> nn.Module:
+    """The problem's model with fully_shard on each child with parameters (nested) and the root.
+
+    `nested="last"`: root only, parameters sharded along their last dimension where it divides
+    evenly (FSDP2 shards other dimensions only evenly), else along dimension 0.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
 
     model = problem.model()
-    if nested:
+    options = {"mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype)}
+    if nested == "last":  # FSDP2 shards other dimensions than 0 only evenly
+        world = dist.get_world_size()
+        options["shard_placement_fn"] = lambda p: Shard(
+            p.dim() - 1 if p.shape[-1] % world == 0 else 0
+        )
+    elif nested:
         for child in model.children():
             if any(True for _ in child.parameters()):
-                fully_shard(child)
-    fully_shard(model)
+                fully_shard(child, **options)
+    fully_shard(model, **options)
     return model
 
 
@@ -58,7 +70,7 @@ def data(name: str, rank: int, world: int):
     return problem, everything[before : before + len(sizes[rank])], everything
 
 
-def pair(kind: str, name: str, reduction: str, nested: bool, rank: int, world: int):
+def pair(kind: str, name: str, reduction: str, nested, rank: int, world: int):
     """The operator on the sharded model over this rank's data, and one process's."""
     problem, mine, everything = data(name, rank, world)
     lossfunc = problem.make_loss(reduction)
@@ -68,12 +80,29 @@ def pair(kind: str, name: str, reduction: str, nested: bool, rank: int, world: i
     return op, ref
 
 
+def ignored_batch_case(rank: int, world: int) -> None:
+    """A rank's batch whose targets are all ignored (ν_b = 0): no term, same collectives."""
+    problem, mine, everything = data("token_ce", rank, world)
+    lossfunc = problem.make_loss("mean")
+    position = sum(len(s) for s in SHARDS[world][:1])  # rank 1's first batch
+    X, y = everything[position]
+    everything = list(everything)
+    everything[position] = (X, torch.full_like(y, -100))
+    if rank == 1:
+        mine = [everything[position], *mine[1:]]
+    V = random_matrix(sum(p.numel() for p in problem.model().parameters()), 2)
+    for cls in (GGN, Hessian):
+        op = cls(sharded_model(problem, True), lossfunc, mine)
+        ref = cls(problem.model(), lossfunc, everything, distributed=False)
+        close(op @ op.local_rows(V), op.local_rows(ref @ V), f"{cls.__name__} ignored batch")
+
+
 def random_matrix(size: int, columns: int, seed: int = 3) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(size, columns, generator=g, dtype=torch.float64)
 
 
-def products_case(kind: str, name: str, reduction: str, nested: bool) -> Callable:
+def products_case(kind: str, name: str, reduction: str, nested) -> Callable:
     """Products with K columns and with a vector, diagonal, trace, DTensor lists; .grad kept."""
 
     def check(rank: int, world: int) -> None:
@@ -166,6 +195,8 @@ def refusals_case(rank: int, world: int) -> None:
 
     fully_shard(dropout)
     raises(ValueError, "forward_seed", lambda: Hessian(dropout, lossfunc, mine))
+    mixed = sharded_model(problem, True, param_dtype=torch.float32)
+    raises(NotImplementedError, "MixedPrecisionPolicy", lambda: GGN(mixed, lossfunc, mine))
     problem, mine, _ = data("token_ce", rank, world)
     lossfunc = problem.make_loss("mean")
     fisher = EmpiricalFisher(sharded_model(problem, False), lossfunc, mine)
@@ -218,6 +249,9 @@ MAIN.append(("products_hessian_token_ce_root", products_case("hessian", "token_c
 MAIN.append(("spectral_ggn_mlp_ce_nested", spectral_case("ggn", "mlp_ce", "mean", True)))
 MAIN.append(("spectral_hessian_cnn_ce_root", spectral_case("hessian", "cnn_ce", "mean", False)))
 MAIN.append(("spectral_ef_mlp_mse_nested", spectral_case("ef", "mlp_mse", "sum", True)))
+MAIN.append(("products_ggn_cnn_ce_last_dim", products_case("ggn", "cnn_ce", "mean", "last")))
+MAIN.append(("products_hessian_cnn_ce_last_dim", products_case("hessian", "cnn_ce", "sum", "last")))
+MAIN.append(("ignored_batch", ignored_batch_case))
 MAIN.append(("refusals", refusals_case))
 MAIN.append(("errors", errors_case))
 
