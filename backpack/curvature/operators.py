@@ -38,7 +38,13 @@ from backpack.curvature._forward import (
     refuse_unfaithful_gradients,
     refuse_unfixed_forward,
 )
-from backpack.curvature._fsdp_products import Gathering, Layout, agree, product_group
+from backpack.curvature._fsdp_products import (
+    Gathering,
+    Layout,
+    agree,
+    all_sum_values,
+    product_group,
+)
 from backpack.curvature._sweep import Sweep
 from backpack.curvature.accumulate import accumulate_over
 from backpack.curvature.cg import CGInfo, NotPositiveDefiniteError, conjugate_gradients
@@ -126,8 +132,6 @@ class CurvatureOperator:
         """
         if not self.sharded:
             return t
-        from backpack.curvature._fsdp_products import all_sum_values, product_group
-
         return all_sum_values(product_group(getattr(self, "_group", None)), t)
 
     def _refuse_sharded(self, what: str, instead: str) -> None:
