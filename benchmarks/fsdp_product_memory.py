@@ -73,6 +73,20 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
         v = torch.randn(op.shape[0], generator=g)
         op @ v  # warm-up
         out[name] = _peak_of(lambda op=op, v=v: op @ v)
+    # control: autograd keeps the gathered parameters (no tokens, no gathering again)
+    from contextlib import nullcontext
+
+    from backpack.curvature import _fsdp_products
+
+    saving = _fsdp_products.Gathering.saving
+    _fsdp_products.Gathering.saving = lambda self: nullcontext()
+    try:
+        op = GGN(model, lossfunc, [(X, y)])
+        v = torch.randn(op.shape[0], generator=g)
+        op @ v
+        out["kept"] = _peak_of(lambda: op @ v)
+    finally:
+        _fsdp_products.Gathering.saving = saving
     shard = sum(p.to_local().numel() * 4 for p in model.parameters())
     queue.put((rank, shard, out))
     dist.barrier()
@@ -84,8 +98,11 @@ def main(worlds: list[int]) -> None:
     layer = (WIDTH * WIDTH + WIDTH) * 4
     print(f"model: {LAYERS} x Linear({WIDTH}, {WIDTH}) float32 = {full / 2**20:.1f} MiB")
     print(f"one layer = {layer / 2**20:.1f} MiB; batch {BATCH} per rank\n")
-    print("| ranks | shard per rank (MiB) | GGN @ v peak (MiB) | Hessian @ v peak (MiB) |")
-    print("|---|---|---|---|")
+    print(
+        "| ranks | shard per rank (MiB) | GGN @ v peak (MiB) | Hessian @ v peak (MiB) "
+        "| GGN @ v, gathered parameters kept by autograd (MiB) |"
+    )
+    print("|---|---|---|---|---|")
     ctx = mp.get_context("spawn")
     for port, world in enumerate(worlds, start=29611):
         queue = ctx.SimpleQueue()
@@ -98,7 +115,8 @@ def main(worlds: list[int]) -> None:
         shard = max(r[1] for r in rows) / 2**20
         ggn = max(r[2]["GGN"] for r in rows) / 2**20
         hessian = max(r[2]["Hessian"] for r in rows) / 2**20
-        print(f"| {world} | {shard:.1f} | {ggn:.1f} | {hessian:.1f} |")
+        kept = max(r[2]["kept"] for r in rows) / 2**20
+        print(f"| {world} | {shard:.1f} | {ggn:.1f} | {hessian:.1f} | {kept:.1f} |")
         sys.stdout.flush()
 
 

@@ -41,6 +41,17 @@ from backpack.curvature._fsdp import _fsdp_params, _reduce_scatter, _Shard
 _FSDP_HOOK_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable")
 
 
+def reshard(model: nn.Module) -> None:
+    """Reshard every FSDP2 module of `model` (`FSDPModule.reshard`).
+
+    A forward without backward may leave the root's parameters gathered; products and sweeps
+    start from the sharded parameters.
+    """
+    for module in model.modules():
+        if type(module).__name__.startswith("FSDP") and callable(getattr(module, "reshard", None)):
+            module.reshard()
+
+
 def product_group(group: Any) -> Any:
     """The group products communicate over: backpack's, or the default one with one rank."""
     if group is not None:
@@ -106,6 +117,15 @@ class Layout:
             self.by_id[id(p)] = shard
         if not self.trainable:
             raise ValueError("The model has no trainable parameter.")
+        #: `{module: [(attribute name, shard)]}`: where FSDP2 registers each parameter, whether
+        #: the module holds it sharded or unsharded right now
+        self.sites: dict[nn.Module, list[tuple[str, _Shard]]] = {}
+        for shard in [*self.trainable, *self.frozen]:
+            info = shard.fsdp_param._module_info
+            pairs = [(info.module, info.param_name)]
+            pairs += list(zip(info.shared_modules, info.shared_param_names))
+            for module, attr in pairs:
+                self.sites.setdefault(module, []).append((attr, shard))
 
     @property
     def local_numels(self) -> list[int]:
@@ -276,23 +296,17 @@ class Gathering:
     @contextmanager
     def running(self, model: nn.Module) -> Iterator[None]:
         """FSDP's forward hooks off; each module gathers its own parameters in its forward."""
-        by_id = self.layout.by_id
         with ExitStack() as stack:
             for module in model.modules():
                 stack.enter_context(_without_fsdp_hooks(module))
-            for module in model.modules():
-                names = [n for n, p in module._parameters.items() if p is not None]
-                owned = [n for n in names if id(module._parameters[n]) in by_id]
-                if not owned:
-                    continue
+            for module, owned in self.layout.sites.items():
                 saved: list[dict[str, Any]] = []
 
                 def pre(mod: nn.Module, args: Any, owned=owned, saved=saved) -> None:
-                    before = {n: mod._parameters[n] for n in owned}
-                    saved.append(before)
-                    for n, p in before.items():
-                        shard = by_id[id(p)]
-                        mod._parameters[n] = self.gather(shard, self.leaves[id(p)])
+                    saved.append({n: mod._parameters[n] for n, _ in owned})
+                    for n, shard in owned:
+                        leaf = self.leaves[id(shard.param)]
+                        mod._parameters[n] = self.gather(shard, leaf)
 
                 def post(mod: nn.Module, args: Any, output: Any, saved=saved) -> None:
                     mod._parameters.update(saved.pop())

@@ -38,12 +38,14 @@ from backpack.curvature._forward import (
     refuse_unfaithful_gradients,
     refuse_unfixed_forward,
 )
+from backpack.curvature._fsdp import is_fully_sharded
 from backpack.curvature._fsdp_products import (
     Gathering,
     Layout,
     agree,
     all_sum_values,
     product_group,
+    reshard,
 )
 from backpack.curvature._sweep import Sweep
 from backpack.curvature.accumulate import accumulate_over
@@ -392,6 +394,8 @@ class _DataOperator(CurvatureOperator):
         name = type(self).__name__
         needs_reiterable(data, name)
         model = local_module(model)
+        if is_fully_sharded(model):
+            reshard(model)  # a forward without backward may have left parameters gathered
         if forward_seed is not None and (
             isinstance(forward_seed, bool) or not isinstance(forward_seed, int)
         ):
@@ -457,6 +461,8 @@ class _DataOperator(CurvatureOperator):
         return CGInverse(self, damping, tol=tol, max_iter=max_iter, preconditioner=preconditioner)
 
     def _check_model(self) -> None:
+        if self.layout is not None:
+            reshard(self.model)
         if self.sweep.fingerprint() != self._fingerprint:
             raise ValueError(
                 f"The model's parameters changed since this {type(self).__name__} was built; "
