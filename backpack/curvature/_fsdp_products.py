@@ -25,6 +25,7 @@ the node running) are whole at a time, as in FSDP's own backward.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -32,7 +33,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from backpack import distributed as _dist
 from backpack.curvature._fsdp import _fsdp_params, _reduce_scatter, _Shard
@@ -127,34 +127,6 @@ class Layout:
             for module, attr in pairs:
                 self.sites.setdefault(module, []).append((attr, shard))
 
-    @property
-    def local_numels(self) -> list[int]:
-        """Numbers of local entries of the trainable parameters."""
-        return [int(s.param.to_local().numel()) for s in self.trainable]
-
-    def local_rows(self, full: Tensor) -> Tensor:
-        """This rank's rows of a `[P_global, K]` matrix laid out like the unsharded parameters."""
-        pieces, offset = [], 0
-        for s in self.trainable:
-            size = 1
-            for n in s.shape:
-                size *= n
-            block = full[offset : offset + size].reshape(*s.shape, full.shape[1])
-            pieces.append(s.chunk(block, s.chunk_of[s.me]).reshape(-1, full.shape[1]))
-            offset += size
-        return torch.cat(pieces)
-
-    @property
-    def global_numel(self) -> int:
-        """P: the number of entries of the unsharded trainable parameters."""
-        total = 0
-        for s in self.trainable:
-            size = 1
-            for n in s.shape:
-                size *= n
-            total += size
-        return total
-
 
 def _param_dtypes(model: nn.Module) -> dict[int, torch.dtype | None]:
     """`{id(sharded parameter): the param_dtype of its MixedPrecisionPolicy}` (set at init)."""
@@ -226,14 +198,13 @@ class _Scatter(torch.autograd.Function):
 
 
 class _Token:
-    """What autograd keeps instead of a gathered parameter (or a view of it)."""
+    """What autograd keeps instead of a gathered parameter (or a view of its storage)."""
 
-    __slots__ = ("shard", "local", "size", "stride", "offset", "whole")
+    __slots__ = ("shard", "local", "size", "stride", "offset")
 
-    def __init__(self, shard: _Shard, local: Tensor, t: Tensor, whole: bool) -> None:
+    def __init__(self, shard: _Shard, local: Tensor, t: Tensor) -> None:
         self.shard, self.local = shard, local
         self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
-        self.whole = whole
 
 
 class Gathering:
@@ -251,7 +222,9 @@ class Gathering:
             self.leaves[id(s.param)] = s.param.to_local().detach().requires_grad_(True)
         for s in layout.frozen:
             self.leaves[id(s.param)] = s.param.to_local().detach()
-        self._owned = WeakTensorKeyDictionary()  # gathered tensor -> (shard, local)
+        # storage of every gathered parameter (also the ones gathered again for a backward)
+        # -> (shard, local); an entry lives as long as the storage
+        self._owned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @property
     def variables(self) -> list[Tensor]:
@@ -263,27 +236,27 @@ class Gathering:
             full = _Gather.apply(local, shard, self.group)
         else:
             full = all_gather_param(shard, local, self.group)
-        self._owned[full] = (shard, local)
+        self._owned[full.untyped_storage()] = (shard, local)
         return full
 
     # --- saved tensors: tokens instead of gathered parameters -----------------------------
     def _pack(self, t: Tensor) -> Any:
-        if not isinstance(t, Tensor):
+        # any tensor on a gathered parameter's storage (the parameter, its views, the ones
+        # autograd rebuilt from an earlier token) becomes a token
+        if not isinstance(t, Tensor) or t.layout != torch.strided or _is_subclass(t):
             return t
-        whole = t in self._owned
-        base = t if whole else t._base
-        if base is None or base not in self._owned:
+        entry = self._owned.get(t.untyped_storage())
+        if entry is None:
             return t
-        shard, local = self._owned[base]
-        return _Token(shard, local.detach(), t, whole)
+        shard, local = entry
+        return _Token(shard, local.detach(), t)
 
     def _unpack(self, packed: Any) -> Any:
         if not isinstance(packed, _Token):
             return packed
+        # gathered parameters are contiguous from offset 0, so the geometry carries over
         full = all_gather_param(packed.shard, packed.local, self.group)
-        self._owned[full] = (packed.shard, packed.local)
-        if packed.whole:
-            return full
+        self._owned[full.untyped_storage()] = (packed.shard, packed.local)
         return full.as_strided(packed.size, packed.stride, packed.offset)
 
     @contextmanager
@@ -319,6 +292,11 @@ class Gathering:
                 stack.callback(module.register_forward_pre_hook(pre).remove)
                 stack.callback(module.register_forward_hook(post, always_call=True).remove)
             yield
+
+
+def _is_subclass(t: Tensor) -> bool:
+    """Whether `t` is a tensor subclass (a DTensor, a fake tensor): never a gathered parameter."""
+    return type(t) is not Tensor and type(t) is not nn.Parameter
 
 
 @contextmanager

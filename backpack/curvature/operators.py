@@ -1066,6 +1066,12 @@ class Hessian(_DataOperator):
         try:
             return self._accumulated(DiagHessian())[0]
         except NotImplementedError as err:
+            if self.layout is not None:
+                raise NotImplementedError(
+                    f"Hessian.diagonal() on a model sharded with FSDP2 needs DiagHessian to "
+                    f"support the model ({err}); estimate it with "
+                    "backpack.curvature.hutchinson_diagonal(op, num_matvecs) instead."
+                ) from err
             warnings.warn(
                 f"DiagHessian does not support this model ({err}); the Hessian diagonal is "
                 f"computed from {self.shape[0]} Hessian-vector products instead.",
