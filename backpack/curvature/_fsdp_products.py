@@ -28,6 +28,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -52,8 +53,8 @@ def reshard(model: nn.Module) -> None:
             module.reshard()
 
 
-def product_group(group: Any) -> Any:
-    """The group products communicate over: backpack's, or the default one with one rank."""
+def header_group(group: Any) -> Any:
+    """The group of the small agreements and sums: backpack's, or the default one alone."""
     if group is not None:
         return group
     if not (dist.is_available() and dist.is_initialized()):
@@ -64,17 +65,42 @@ def product_group(group: Any) -> Any:
     return _dist._group() if dist.get_world_size() > 1 else dist.group.WORLD
 
 
+#: `[(default group, timeout, group of the products' gathers and reduce-scatters)]`
+_PRODUCTS: list[tuple[Any, float, Any]] = []
+
+
+def product_group() -> Any:
+    """The group of the products' gathers and reduce-scatters (collective on first use).
+
+    Apart from the agreements' group, so that a rank that failed half-way through a product
+    (and waits in an agreement) never meets another rank's gather: both sides wait for the
+    group's timeout (`backpack.distributed.TIMEOUT_S`) and raise, instead of gloo aborting on
+    mismatched messages.
+    """
+    header_group(None)  # raises without torch.distributed
+    if dist.get_world_size() == 1:
+        return dist.group.WORLD
+    world = dist.group.WORLD
+    if _PRODUCTS and _PRODUCTS[0][0] is world and _PRODUCTS[0][1] == _dist.TIMEOUT_S:
+        return _PRODUCTS[0][2]
+    group = dist.new_group(timeout=timedelta(seconds=_dist.TIMEOUT_S))
+    _PRODUCTS[:] = [(world, _dist.TIMEOUT_S, group)]
+    return group
+
+
 class Layout:
     """Where each parameter of an FSDP2 model lives: its shard, chunking and local leaf.
 
     Attributes:
-        group: The process group of the sharding.
+        group: The process group of the products' gathers and reduce-scatters.
+        header: The process group of the agreements between batches (backpack's).
         trainable: `_Shard` of every trainable parameter, in `model.named_parameters()` order.
         frozen: `_Shard` of every FSDP-managed parameter without `requires_grad`.
     """
 
-    def __init__(self, model: nn.Module, group: Any, what: str) -> None:
-        self.group = group
+    def __init__(self, model: nn.Module, header: Any, what: str) -> None:
+        self.header = header_group(header)
+        self.group = group = product_group()
         fsdp = _fsdp_params(model)
         policies = _param_dtypes(model)
         world = dist.get_world_size(group)

@@ -44,7 +44,7 @@ from backpack.curvature._fsdp_products import (
     Layout,
     agree,
     all_sum_values,
-    product_group,
+    header_group,
     reshard,
 )
 from backpack.curvature._sweep import Sweep
@@ -134,7 +134,7 @@ class CurvatureOperator:
         """
         if not self.sharded:
             return t
-        return all_sum_values(product_group(getattr(self, "_group", None)), t)
+        return all_sum_values(header_group(getattr(self, "_group", None)), t)
 
     def _refuse_sharded(self, what: str, instead: str) -> None:
         if self.sharded:
@@ -426,7 +426,7 @@ class _DataOperator(CurvatureOperator):
                     "(fully_shard): its products are collectives over every rank, each rank "
                     "sweeping its own shard of the data. Pass distributed=None or True."
                 )
-            self.layout = Layout(model, product_group(self.sweep.group), name)
+            self.layout = Layout(model, self.sweep.group, name)
 
     lossfunc = property(lambda self: self.sweep.lossfunc, doc="The loss.")
     data = property(lambda self: self.sweep.data, doc="The batches every product sweeps.")
@@ -529,7 +529,7 @@ class _DataOperator(CurvatureOperator):
         their outcome and `ν_b`. The ranks must have the same number of batches (sizes may
         differ).
         """
-        group = self.layout.group
+        group = self.layout.header
         what = f"{type(self).__name__} @ [P, {V.shape[1]}] (FSDP2)"
         out = torch.zeros_like(V)
         total, index = 0.0, 0
@@ -557,12 +557,20 @@ class _DataOperator(CurvatureOperator):
                         "products are collectives over every rank."
                     )
                 assert batch is not None
-                nu, error = 0.0, None
+                # the forward and the loss, then (every rank ready) the backward passes: an error
+                # in the loss (a target of the wrong shape) is agreed before any backward
+                nu, finish, error = 0.0, None, None
                 try:
-                    nu = self._sharded_batch(batch, blocks, Gathering(self.layout), out)
+                    nu, finish = self._sharded_batch(batch, blocks, Gathering(self.layout))
                 except Exception as err:  # noqa: BLE001 - agreed with the other ranks first
                     error = err
                 table = agree(group, [nu], error, f"{what}, batch {index}")
+                error = None
+                try:
+                    finish(out)
+                except Exception as err:  # noqa: BLE001 - agreed with the other ranks first
+                    error = err
+                agree(group, [], error, f"{what}, batch {index}")
                 total += float(table[:, 0].sum())
                 index += 1
         finally:
@@ -570,12 +578,13 @@ class _DataOperator(CurvatureOperator):
         return out / self.sweep.total(total)
 
     def _sharded_batch(
-        self, batch: Batch, blocks: list[Tensor], gathering: Gathering, out: Tensor
-    ) -> float:
-        """Add this rank's rows of the batch's product (summed over ranks, sum scale) to `out`.
+        self, batch: Batch, blocks: list[Tensor], gathering: Gathering
+    ) -> tuple[float, Callable[[Tensor], None]]:
+        """The batch's forward and loss; returns `ν_b` and `finish`.
 
-        `blocks`: the K columns as one `[K, *local shape]` tensor per parameter (`split`).
-        Returns the batch's `ν_b`.
+        `finish(out)` adds this rank's rows of the batch's product (summed over ranks, at the
+        sum scale) to `out`. `blocks`: the K columns as one `[K, *local shape]` tensor per
+        parameter (`split`).
         """
         raise NotImplementedError(
             f"{type(self).__name__} does not support a model sharded with FSDP2 (fully_shard)."
@@ -764,7 +773,7 @@ class GGN(_DataOperator):
                 return super()._matmat(V)
         return self._mc_sweep(V)
 
-    def _sharded_batch(self, batch, blocks, gathering, out):  # noqa: D102
+    def _sharded_batch(self, batch, blocks, gathering):  # noqa: D102
         output, nu = self._sharded_forward(batch, gathering)
         empty = self.sweep.empty(nu)
         target = output.detach().requires_grad_(True)
@@ -779,8 +788,7 @@ class GGN(_DataOperator):
             (hjv,) = torch.autograd.grad(slope, target, jv, retain_graph=True)
             return hjv
 
-        self._output_products(output, blocks, gathering, curvature, out)
-        return nu
+        return nu, lambda out: self._output_products(output, blocks, gathering, curvature, out)
 
     def _batch_product(self, batch, V):  # noqa: D102
         names, params = zip(*trainable(self.model))
@@ -1002,9 +1010,7 @@ class Hessian(_DataOperator):
         live = [i for i, g in enumerate(grads) if g.requires_grad]
         return _Graph(names, params, grads, live, nu)
 
-    def _sharded_batch(self, batch, blocks, gathering, out):  # noqa: D102
-        variables = gathering.variables
-        count = blocks[0].shape[0]
+    def _sharded_batch(self, batch, blocks, gathering):  # noqa: D102
         model = self.model
         with disable(), torch.enable_grad(), product_forward(model), gathering.saving():
             with gathering.running(model):
@@ -1014,21 +1020,27 @@ class Hessian(_DataOperator):
                 loss = output.square().sum() * 0.0
             else:
                 loss = self.lossfunc(output, batch.y) * self._scale(nu)
-            grads = torch.autograd.grad(
-                loss, variables, create_graph=True, allow_unused=True, materialize_grads=True
-            )
-            live = [i for i, g in enumerate(grads) if g.requires_grad]
-            for k in range(count if live else 0):
-                hv = torch.autograd.grad(
-                    [grads[i] for i in live],
-                    variables,
-                    [blocks[i][k] for i in live],
-                    retain_graph=k + 1 < count,
-                    allow_unused=True,
-                    materialize_grads=True,
+
+        def finish(out: Tensor) -> None:
+            variables = gathering.variables
+            count = blocks[0].shape[0]
+            with torch.enable_grad(), gathering.saving():
+                grads = torch.autograd.grad(
+                    loss, variables, create_graph=True, allow_unused=True, materialize_grads=True
                 )
-                self._add_column(out, k, hv)
-        return nu
+                live = [i for i, g in enumerate(grads) if g.requires_grad]
+                for k in range(count if live else 0):
+                    hv = torch.autograd.grad(
+                        [grads[i] for i in live],
+                        variables,
+                        [blocks[i][k] for i in live],
+                        retain_graph=k + 1 < count,
+                        allow_unused=True,
+                        materialize_grads=True,
+                    )
+                    self._add_column(out, k, hv)
+
+        return nu, finish
 
     def _batch_product(self, batch, V):  # noqa: D102
         kept = self._kept
@@ -1145,7 +1157,7 @@ class EmpiricalFisher(_DataOperator):
     `accumulate(SumGradSquared())` sweep.
     """
 
-    def _sharded_batch(self, batch, blocks, gathering, out):  # noqa: D102
+    def _sharded_batch(self, batch, blocks, gathering):  # noqa: D102
         output, nu = self._sharded_forward(batch, gathering)
         if output.dim() == 0 or output.shape[0] != batch.num_samples:
             raise NotImplementedError(
@@ -1169,8 +1181,7 @@ class EmpiricalFisher(_DataOperator):
             dims = tuple(range(1, jv.dim()))
             return rows * (rows * jv).sum(dim=dims, keepdim=True)
 
-        self._output_products(output, blocks, gathering, curvature, out)
-        return nu
+        return nu, lambda out: self._output_products(output, blocks, gathering, curvature, out)
 
     def _batch_product(self, batch, V):  # noqa: D102
         self.sweep.extend()

@@ -234,6 +234,16 @@ def errors_case(rank: int, world: int) -> None:
         raises(KeyError, "broken shard", lambda: op @ torch.ones(size))
     else:
         raises(RuntimeError, f"rank {world - 1} failed", lambda: op @ torch.ones(size))
+    # a loss that fails on one rank (targets of the wrong shape), after the forward's gathers
+    broken = list(mine)
+    if rank == world - 1:
+        X, y = broken[0]
+        broken[0] = (X, y[:-1])
+    op = GGN(model, lossfunc, broken)
+    if rank == world - 1:
+        raises(ValueError, "batch_size", lambda: op @ torch.ones(size))
+    else:
+        raises(RuntimeError, f"rank {world - 1} failed", lambda: op @ torch.ones(size))
     uneven = mine if rank else mine[:1]
     op = Hessian(model, lossfunc, uneven)
     raises(RuntimeError, "different numbers of batches", lambda: op @ torch.ones(size))
