@@ -237,8 +237,9 @@ def errors_case(rank: int, world: int) -> None:
     # a loss that fails on one rank (targets of the wrong shape), after the forward's gathers
     broken = list(mine)
     if rank == world - 1:
-        X, y = broken[0]
-        broken[0] = (X, y[:-1])
+        at = max(range(len(broken)), key=lambda i: len(broken[i][1]))  # 2 samples or more
+        X, y = broken[at]
+        broken[at] = (X, y[:-1])
     op = GGN(model, lossfunc, broken)
     if rank == world - 1:
         raises(ValueError, "batch_size", lambda: op @ torch.ones(size))
