@@ -6,6 +6,10 @@ sweeps the data once for all K columns of `V`: per batch, the K products are bat
 `torch.func.vmap` over reverse-mode derivatives of one plain autograd forward (so they
 differentiate what `.grad` differentiates), or formed from backpack's per-sample quantities.
 Every sweep must see one fixed function of the parameters (`backpack.curvature._forward`).
+
+On a model sharded with FSDP2 (`fully_shard`) vectors are this rank's local shards and every
+product is a collective over all ranks' data, by distributed autograd that gathers one
+module's parameters at a time (`backpack.curvature._fsdp_products`).
 """
 
 from __future__ import annotations
