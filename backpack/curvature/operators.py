@@ -94,6 +94,14 @@ class CurvatureOperator:
             for t, (_, p) in zip(locals_, params)
         ]
 
+    def _layout_of(self, op: CurvatureOperator) -> None:
+        """Take `op`'s model, parameters and vector layout (an operator derived from `op`)."""
+        self.model = op.model
+        self.names, self.shapes, self.numels = op.names, op.shapes, op.numels
+        self.dtype, self.device = op.dtype, op.device
+        self.sharded = op.sharded
+        self._global_numels, self._placements = op._global_numels, op._placements
+
     @property
     def shape(self) -> tuple[int, int]:
         """`(P, P)` (`(P_local, P_local)` on a sharded model)."""
@@ -322,11 +330,7 @@ class CGInverse(CurvatureOperator):
         ):
             raise ValueError(f"max_iter must be a positive integer, got {max_iter!r}.")
         self.op = op
-        self.model = op.model
-        self.names, self.shapes, self.numels = op.names, op.shapes, op.numels
-        self.dtype, self.device = op.dtype, op.device
-        self.sharded = op.sharded
-        self._global_numels, self._placements = op._global_numels, op._placements
+        self._layout_of(op)
         self._group = getattr(op, "_group", None)
         self.damping = float(damping)
         self.tol = float(tol)
