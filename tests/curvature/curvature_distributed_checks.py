@@ -459,7 +459,6 @@ def fully_sharded(rank: int, world: int) -> None:
             lambda: accumulate(model, lossfunc, mine, DiagGGNExact(), distributed=False),
         ),
         (NotImplementedError, "replicated copy", lambda: GGN(model, lossfunc, mine)),
-        (NotImplementedError, "eigenbases", lambda: EKFAC(model, lossfunc, mine)),
         (NotImplementedError, "influence.fit", lambda: fit(model, lossfunc, mine, "diagonal")),
         (
             NotImplementedError,

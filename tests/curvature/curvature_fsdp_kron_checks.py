@@ -16,7 +16,7 @@ from curvature_distributed_checks import FSDP_SHARDS, close, fsdp_model, fsdp_sh
 from distributed_checks import run_checks
 
 from backpack import distributed
-from backpack.curvature import KFAC, accumulate, eigvalsh, hutchinson_trace
+from backpack.curvature import EKFAC, KFAC, accumulate, eigvalsh, hutchinson_trace
 from backpack.extensions import KFAC as KFACExtension
 from backpack.extensions import KFLR, DiagGGNExact
 
@@ -220,6 +220,51 @@ def kfac_errors(rank: int, world: int) -> None:
     assert out.shape == (size,) and torch.isfinite(out).all()
 
 
+def ekfac_operator_case(name: str, reduction: str, nested: bool, **options):
+    """EKFAC on FSDP2: products, the damped inverse, logdet, trace, diagonal, eigenvalues and
+    the corrected eigenvalues (on their owners) equal one process's over all data."""
+
+    def check(rank: int, world: int) -> None:
+        problem, mine, everything, _, _ = fsdp_shards(name, rank, world)
+        model, ref = fsdp_model(problem, nested), problem.model()
+        lossfunc = problem.make_loss(reduction)
+        op = EKFAC(model, lossfunc, mine, **options)
+        expected = EKFAC(ref, lossfunc, everything, distributed=False, **options)
+        assert op.num_samples_total == expected.num_samples_total
+        close(torch.tensor(op.normaliser_total), torch.tensor(expected.normaliser_total), "ν")
+        size = sum(p.to_local().numel() for p in model.parameters())
+        assert op.shape == (size, size), (op.shape, size)
+        assert op.owners == op.kfac.owners
+        for block, values in op.corrected.items():
+            assert op.owners[block] == rank
+            close(values, expected.corrected[block], f"corrected eigenvalues of {block}")
+        held = sum(v.numel() for v in op.corrected.values())
+        assert held < sum(v.numel() for v in expected.corrected.values()) or world == 1
+        g = torch.Generator().manual_seed(7)
+        V = torch.randn(expected.shape[0], 3, generator=g, dtype=torch.float64)
+        local = local_vector(model, V)
+        close(op @ local, local_vector(model, expected @ V), "E @ V")
+        close(op @ local[:, 0], local_vector(model, expected @ V[:, 0]), "E @ v")
+        damping = {b: 0.1 + 0.01 * i for i, b in enumerate(op.owners)}
+        for lam in (0.1, damping):
+            inv, inv_ref = op.inverse(lam), expected.inverse(lam)
+            close(inv @ local, local_vector(model, inv_ref @ V), "(E + λI)⁻¹ @ V")
+            close(inv.logdet(), inv_ref.logdet(), "inverse logdet")
+            close(inv.diagonal(), local_vector(model, inv_ref.diagonal()), "inverse diagonal")
+            close(inv.trace(), inv_ref.trace(), "inverse trace")
+            close(op.logdet(lam), expected.logdet(lam), "logdet")
+        close(op.trace(), expected.trace(), "trace")
+        close(op.diagonal(), local_vector(model, expected.diagonal()), "diagonal")
+        spectra = [None] * world
+        dist.all_gather_object(spectra, op.eigenvalues())
+        close(torch.cat(spectra).sort().values, expected.eigenvalues(), "eigenvalues")
+        _expect_everywhere(op.to_dense, NotImplementedError, "to_dense")
+        _expect_everywhere(op.to_scipy, NotImplementedError, "to_scipy")
+        _expect_everywhere(op.inverse(0.1).to_dense, NotImplementedError, "to_dense")
+
+    return check
+
+
 MAIN: list[tuple[str, Callable]] = [
     ("kron-mlp_ce-mean-nested", accumulate_kron_case("mlp_ce", "mean", nested=True)),
     ("kron-mlp_mse-sum", accumulate_kron_case("mlp_mse", "sum", nested=False)),
@@ -242,7 +287,26 @@ MAIN: list[tuple[str, Callable]] = [
     ("kfac-last-dim", kfac_last_dim),
     ("kfac-errors", kfac_errors),
 ]
-SCENARIOS = {"main": MAIN}
+EKFAC_CASES: list[tuple[str, Callable]] = [
+    ("ekfac-mlp_ce-mean-nested", ekfac_operator_case("mlp_ce", "mean", nested=True)),
+    ("ekfac-mlp_mse-sum", ekfac_operator_case("mlp_mse", "sum", nested=False)),
+    ("ekfac-cnn_ce-mean-nested", ekfac_operator_case("cnn_ce", "mean", nested=True)),
+    ("ekfac-cnn_ce-sum", ekfac_operator_case("cnn_ce", "sum", nested=False)),
+    (
+        "ekfac-folded-mlp_ce",
+        ekfac_operator_case("mlp_ce", "mean", nested=True, separate_weight_and_bias=False),
+    ),
+    (
+        "ekfac-folded-cnn_ce",
+        ekfac_operator_case("cnn_ce", "sum", nested=False, separate_weight_and_bias=False),
+    ),
+    (
+        "ekfac-empirical",
+        ekfac_operator_case("mlp_ce", "mean", nested=True, fisher_type="empirical"),
+    ),
+    ("ekfac-reduce", ekfac_operator_case("cnn_ce", "mean", nested=True, kfac_approx="reduce")),
+]
+SCENARIOS = {"main": MAIN, "ekfac": EKFAC_CASES}
 
 
 def worker(rank: int, world: int, port: int, scenario: str, outdir: str) -> None:
