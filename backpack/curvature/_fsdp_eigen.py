@@ -119,14 +119,13 @@ class JustInTime:
 
     @contextmanager
     def hooked(self):
-        """Fetch each target's eigenbases when its rule first needs them in a backward, or
-        when the gradient of its output arrives (whichever comes first; the other finds them
-        present).
+        """Fetch each target's eigenbases when its rule or its output's gradient needs them.
 
-        The hook on the output makes every rank fetch, also one whose rule does not run (no
-        factor reaches the layer); the rule's own call covers the engine taking the layer's
-        quantities at a node before that output. Every rank runs the same layers' backwards in
-        the same order (as FSDP2 needs too), so the broadcasts match.
+        Whichever comes first in a backward fetches; the other finds them present. The hook on
+        the output makes every rank fetch, also one whose rule does not run (no factor reaches
+        the layer); the rule's own call covers the engine taking the layer's quantities at a
+        node before that output. Every rank runs the same layers' backwards in the same order
+        (as FSDP2 needs too), so the broadcasts match.
         """
 
         def forward_hook(module: nn.Module, args: Any, output: Any) -> None:
