@@ -145,18 +145,22 @@ class JustInTime:
 
 
 def check_calls(
-    model: nn.Module, targets: Mapping[nn.Module, list[str]], X: Any
+    model: nn.Module,
+    targets: Mapping[nn.Module, list[str]],
+    dtypes: Mapping[nn.Module, torch.dtype],
+    X: Any,
 ) -> tuple[list[bool], int]:
     """Per target: called once in a forward of `X`, its parameters used only in that call.
 
-    Also returns the number of output entries per sample (the exact loss-Hessian factor's
-    columns, for `_eigen.plan`).
-
-    One forward with gradients (not backpropagated): the parameters the target's call holds
-    (FSDP2's unsharded ones) must each feed exactly one node of the output's autograd graph,
-    the node of the target's own operation (`nn.Linear` and convolutions use each parameter
-    once). A parameter also used outside the call (tied weights, functional uses) feeds more.
+    One forward with gradients (not backpropagated; buffers restored): the parameters the
+    target's call holds (FSDP2's unsharded ones) must have the eigenbases' dtype (`dtypes`; not
+    so under FSDP2's mixed precision) and each feed exactly one node of the output's autograd
+    graph, the node of the target's own operation (`nn.Linear` and convolutions use each
+    parameter once). A parameter also used outside the call (tied weights, functional uses)
+    feeds more. Also returns the number of output entries per sample (the exact loss-Hessian
+    factor's columns, for `_eigen.plan`).
     """
+    buffers = [(b, b.clone()) for b in model.buffers()]
     calls: Counter = Counter()
     used: dict[nn.Module, list[Tensor]] = {}
 
@@ -191,7 +195,14 @@ def check_calls(
             reshard = getattr(module, "reshard", None)
             if callable(reshard) and type(module).__name__.startswith("FSDP"):
                 reshard()
-    ok = [calls[m] == 1 and all(edges[id(p)] == 1 for p in used.get(m, [])) for m in targets]
+        with torch.no_grad():  # running statistics are not this check's to update
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+    ok = [
+        calls[m] == 1
+        and all(edges[id(p)] == 1 and p.dtype == dtypes[m] for p in used.get(m, []))
+        for m in targets
+    ]
     return ok, width
 
 

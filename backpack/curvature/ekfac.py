@@ -541,7 +541,8 @@ def _correct_sharded(
     swept_params = {m: _swept_params(m, pair) for m, pair in targets.items()}
     error, ok, width = None, [], 1
     try:
-        ok, width = check_calls(model, swept_params, sweep.first_inputs())
+        dtypes = {m: weight.vectors[0].dtype for m, (weight, _) in targets.items()}
+        ok, width = check_calls(model, swept_params, dtypes, sweep.first_inputs())
     except Exception as err:  # noqa: BLE001 - agreed with the other ranks first
         error = err
     table = routing.agree(error, [float(x) for x in ok] or [0.0] * len(targets), "check layers")
@@ -549,8 +550,9 @@ def _correct_sharded(
     if bad:
         raise refuse_blocks(
             bad,
-            "their layers are called more than once per forward, or their parameters are also "
-            "used outside the layer's own call (checked on every rank's first batch)",
+            "their layers are called more than once per forward, their parameters are also "
+            "used outside the layer's own call, or the layer computes in another dtype than its "
+            "factors' (FSDP2's mixed precision) (checked on every rank's first batch)",
         )
     columns = {"type-2": width, "mc": mc_samples, "empirical": 1}[fisher_type]
     states = {
