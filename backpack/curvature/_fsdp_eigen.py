@@ -8,12 +8,14 @@ rules lent to every `nn.Linear` and convolution, as without FSDP: each rank squa
 samples' rotated gradients inside the backward (on FSDP's unsharded parameters), the sums are
 reduce-scattered like diagonals and then gathered whole on the block's owner.
 
-A rank needs a layer's eigenbases only while that layer's rule runs. A hook on the layer's
-output, which autograd calls just before the layer's backward, broadcasts them from their
-owners and frees the previous layer's: a rank holds at most one layer's eigenbases besides the
-ones it owns. (Sending the per-sample quantities to the owners instead would move `N·g·a`
-numbers per layer and batch, `N` samples and a `[g, a]` weight, against `g² + a²` here: more
-for any batch of more than a few samples.)
+A rank needs a layer's eigenbases only while that layer's rule runs. They are broadcast from
+their owners when the rule (or the gradient of the layer's output) first needs them in a
+backward, and the previous layer's are freed: a rank holds at most one layer's eigenbases
+besides the ones it owns, and every rank rotates its own samples in parallel. The other way,
+sending the per-sample quantities to the owners (each sample's inputs and backpropagated
+factor columns, `N·T·(a + V·g)` numbers per layer and batch for `N` samples of `T` positions,
+`V` columns, a `[g, a]` weight), would move more than the `g² + a²` of an eigenbasis for all
+but the smallest batches, and would leave the rotations to the owners alone.
 """
 
 from __future__ import annotations
@@ -199,8 +201,7 @@ def check_calls(
             for buffer, saved in buffers:
                 buffer.copy_(saved)
     ok = [
-        calls[m] == 1
-        and all(edges[id(p)] == 1 and p.dtype == dtypes[m] for p in used.get(m, []))
+        calls[m] == 1 and all(edges[id(p)] == 1 and p.dtype == dtypes[m] for p in used.get(m, []))
         for m in targets
     ]
     return ok, width

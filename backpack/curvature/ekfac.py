@@ -621,6 +621,14 @@ class EKFAC(CurvatureOperator):
             block (one eigenbasis `Q_G ⊗ Q_Ã` of `[W | b]`, its corrected eigenvalues from the
             gradients of `[W | b]`).
 
+    On a model sharded with FSDP2 (`fully_shard`) each block's eigenbasis and corrected
+    eigenvalues live on its KFAC owner (`owners`); the correction sweep broadcasts each layer's
+    eigenbases from their owners just before the layer's backward and frees them after (one
+    layer's at a time per rank). Only `nn.Linear` and convolution blocks (called once per
+    forward, parameters used only in their call, no mixed precision) are supported; others are
+    refused on every rank. Vectors, products and the other methods are as for `KFAC` on FSDP2
+    (docs: "Distributed sweeps", FSDP2).
+
     Its scale is the data-set loss's, like `KFAC`'s: the corrected eigenvalues are
     `R Σ_r (q_kᵀ u_r)²` with `R` the reduction factor (`1/ν` or 1). Cost: one sweep for the
     Kronecker factors (as `KFAC`), their eigendecompositions, and one sweep for the corrected
