@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from backpack import distributed as _dist
 from backpack.api import disable
+from backpack.context import CTX
 from backpack.curvature._blocks import BlockLayout
 from backpack.curvature._data import first_tensor
 from backpack.curvature._eigen import EigenState, eigen_rules
@@ -130,10 +131,16 @@ class JustInTime:
         (as FSDP2 needs too), so the broadcasts match.
         """
 
+        def grad_hook(module: nn.Module) -> None:
+            # not in backpack's own propagation of the curvature factors (an autograd pass
+            # before the backward in which the rules run): a fetch there would be undone
+            if not CTX.propagating:
+                self.fetch(module)
+
         def forward_hook(module: nn.Module, args: Any, output: Any) -> None:
             out = first_tensor(output)
             if torch.is_grad_enabled() and isinstance(out, Tensor) and out.requires_grad:
-                out.register_hook(lambda grad, module=module: self.fetch(module))
+                out.register_hook(lambda grad, module=module: grad_hook(module))
 
         handles = [m.register_forward_hook(forward_hook) for m in self.parts]
         try:

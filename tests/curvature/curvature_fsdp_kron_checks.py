@@ -374,10 +374,11 @@ def ekfac_refusals(rank: int, world: int) -> None:
     _expect_everywhere(run, NotImplementedError, "mixed precision")
     # the eigenbases a rank holds while the correction sweep runs
     model = fsdp_model(problem, nested=True)
-    held, fetch = [], _fsdp_eigen.JustInTime.fetch
+    held, instances, fetch = [], [], _fsdp_eigen.JustInTime.fetch
 
     def counting(self, module):
         fetch(self, module)
+        instances.append(self)
         foreign = [
             m
             for m, parts in self.parts.items()
@@ -391,6 +392,10 @@ def ekfac_refusals(rank: int, world: int) -> None:
     finally:
         _fsdp_eigen.JustInTime.fetch = fetch
     assert held and max(held) <= 1, held
+    # one broadcast per layer's block and batch (none in backpack's propagation pass)
+    lending = instances[0]
+    parts = sum(len(p) for p in lending.parts.values())
+    assert lending.broadcasts == len(mine) * parts, (lending.broadcasts, len(mine), parts)
     for b in op.blocks:
         assert all(v.is_meta for v in b.vectors) == (op.owners[b.name] != rank), b.name
     # Monte-Carlo: each rank draws for its own samples
