@@ -45,6 +45,7 @@ def conjugate_gradients(
     max_iter: int = 1000,
     preconditioner: Callable[[Tensor], Tensor] | None = None,
     name: str = "the system",
+    total: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, CGInfo]:
     """Solve `S X = B` column by column by (preconditioned) conjugate gradients, batched.
 
@@ -60,6 +61,9 @@ def conjugate_gradients(
         max_iter: Most iterations (a warning if some column has not converged by then).
         preconditioner: `R ↦ M R` with M symmetric positive definite, M ≈ S⁻¹; None for plain CG.
         name: How to call S in messages.
+        total: Sums per-column partial inner products over the parts of the vectors held
+            elsewhere (the ranks of an FSDP2 model, whose rows each rank holds); None when
+            the columns are whole.
 
     Returns:
         The solutions `[P, K]` and a `CGInfo`.
@@ -68,8 +72,15 @@ def conjugate_gradients(
         NotPositiveDefiniteError: When `pᵀ S p ≤ 0` for a search direction (S is not positive
             definite) or `rᵀ M r < 0` (the preconditioner is not).
     """
+
+    def colsum(t: Tensor) -> Tensor:
+        return t.sum(0) if total is None else total(t.sum(0))
+
+    def colnorm(t: Tensor) -> Tensor:
+        return t.norm(dim=0) if total is None else total(t.square().sum(0)).sqrt()
+
     X = torch.zeros_like(B)
-    norms = B.norm(dim=0)
+    norms = colnorm(B)
     tiny = torch.finfo(B.dtype).tiny
     target = tol * norms
     R = B.clone()
@@ -78,7 +89,7 @@ def conjugate_gradients(
         if preconditioner is None:
             return residual
         Z = preconditioner(residual).to(residual)
-        if bool(((residual * Z).sum(0) < 0).any()):
+        if bool((colsum(residual * Z) < 0).any()):
             raise NotPositiveDefiniteError(
                 f"rᵀMr < 0 in conjugate gradients on {name}: the preconditioner is not "
                 "positive definite."
@@ -87,15 +98,15 @@ def conjugate_gradients(
 
     Z = precondition(R)
     Pdir = Z.clone()
-    rz = (R * Z).sum(0)
-    active = R.norm(dim=0) > target
+    rz = colsum(R * Z)
+    active = colnorm(R) > target
     iterations = 0
     while bool(active.any()) and iterations < max_iter:
         idx = active.nonzero().flatten()
         Pa = Pdir[:, idx]
         SPa = apply(Pa)
         iterations += 1
-        curvature = (Pa * SPa).sum(0)
+        curvature = colsum(Pa * SPa)
         if bool((curvature <= 0).any()):
             raise NotPositiveDefiniteError(
                 f"pᵀSp = {float(curvature.min()):.3g} ≤ 0 met by conjugate gradients on {name}: "
@@ -105,11 +116,11 @@ def conjugate_gradients(
         X[:, idx] += alpha * Pa
         R[:, idx] -= alpha * SPa
         Za = precondition(R[:, idx])
-        rz_new = (R[:, idx] * Za).sum(0)
+        rz_new = colsum(R[:, idx] * Za)
         Pdir[:, idx] = Za + rz_new / rz[idx].clamp(min=tiny) * Pa
         rz[idx] = rz_new
-        active[idx] = R[:, idx].norm(dim=0) > target[idx]
-    residuals = R.norm(dim=0) / norms.clamp(min=tiny)
+        active[idx] = colnorm(R[:, idx]) > target[idx]
+    residuals = colnorm(R) / norms.clamp(min=tiny)
     info = CGInfo(iterations, residuals, not bool(active.any()))
     if not info.converged:
         warnings.warn(

@@ -856,9 +856,7 @@ class EKFACInverse(CurvatureOperator):
     """`(E + λI)⁻¹` of an `EKFAC` operator `E`, applied in its eigenbases."""
 
     def __init__(self, ekfac: EKFAC, damping: dict[str, float]) -> None:
-        self.model = ekfac.model
-        self.names, self.shapes, self.numels = ekfac.names, ekfac.shapes, ekfac.numels
-        self.dtype, self.device = ekfac.dtype, ekfac.device
+        self._layout_of(ekfac)
         self.ekfac = ekfac
         self.damping = damping
 

@@ -3,6 +3,13 @@
 `op` is a curvature operator of `backpack.curvature` or a dense symmetric tensor. Costs are
 counted in matrix-vector products with `op`; for the data-set operators, a product with a
 `[P, K]` matrix is one sweep over the data, so the number of sweeps is given too.
+
+On an operator of a model sharded with FSDP2 (`op.sharded`), vectors are this rank's local
+shards: every rank draws the same random vectors as one process with the same seed and keeps
+its rows, inner products are summed over the ranks, and results that are vectors (diagonals,
+eigenvectors) are this rank's rows. Every rank must call the estimator (it is a collective).
+Estimators that orthogonalise blocks of whole vectors (`hutchpp_trace`, `xtrace`, `xdiag`)
+refuse such operators.
 """
 
 from __future__ import annotations
@@ -11,9 +18,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
-from torch import Tensor, nn
-
-from backpack.curvature._fsdp import is_fully_sharded
+from torch import Tensor
 
 __all__ = [
     "eigvalsh",
@@ -30,17 +35,6 @@ def _info(op: Any) -> tuple[int, torch.dtype, torch.device]:
         if op.dim() != 2 or op.shape[0] != op.shape[1]:
             raise ValueError(f"Need a square matrix, got shape {tuple(op.shape)}.")
         return op.shape[0], op.dtype, op.device
-    model = getattr(op, "model", None)
-    if isinstance(model, nn.Module) and is_fully_sharded(model):
-        raise NotImplementedError(
-            f"The estimators of backpack.curvature (traces, diagonals, eigenvalues, spectral "
-            f"densities) do not support {type(op).__name__} of a model sharded with FSDP2 "
-            "(fully_shard): its vectors are each rank's local shards, so the estimators' random "
-            "vectors and inner products would be per rank, not the whole matrix's. Use the "
-            "operator's own trace(), diagonal(), logdet() and eigenvalues() where it has them "
-            "(KFAC: collectives giving the whole matrix's values), or an operator of a "
-            "replicated copy (docs: 'Distributed sweeps')."
-        )
     return op.shape[0], op.dtype, op.device
 
 
@@ -59,6 +53,53 @@ def _random(size: int, columns: int, seed: int, distribution: str, dtype, device
     else:
         raise ValueError(f"distribution must be 'rademacher' or 'normal', got {distribution!r}.")
     return v.to(dtype=dtype, device=device)
+
+
+def _sharded(op: Any) -> bool:
+    """Whether `op`'s vectors are this rank's shards of an FSDP2 model (see `CurvatureOperator`)."""
+    return not isinstance(op, Tensor) and bool(getattr(op, "sharded", False))
+
+
+def _size(op: Any) -> int:
+    """P: the length of the (global) vectors `op` multiplies."""
+    return int(op.global_size) if _sharded(op) else _info(op)[0]
+
+
+def _draw(op: Any, columns: int, seed: int, distribution: str) -> Tensor:
+    """The seeded random `[P, columns]` matrix, or this rank's rows of it on a sharded `op`.
+
+    On a sharded operator every rank draws the whole matrix (on the host) and keeps its rows,
+    so the vectors are those of one process with the same seed.
+    """
+    size, dtype, device = _info(op)
+    if not _sharded(op):
+        return _random(size, columns, seed, distribution, dtype, device)
+    full = _random(op.global_size, columns, seed, distribution, dtype, torch.device("cpu"))
+    return op.local_rows(full).to(device=device).contiguous()
+
+
+def _total(op: Any, t: Tensor) -> Tensor:
+    """A partial sum over this rank's rows, summed over the ranks on a sharded `op`."""
+    return op.sum_over_ranks(t) if _sharded(op) else t
+
+
+def _norm(op: Any, v: Tensor, dim: int | None = None) -> Tensor:
+    """The (column) norm of a vector of `op`, over all ranks' rows on a sharded `op`."""
+    if not _sharded(op):
+        return v.norm() if dim is None else v.norm(dim=dim)
+    squares = v.square().sum() if dim is None else v.square().sum(dim)
+    return op.sum_over_ranks(squares).sqrt()
+
+
+def _refuse_sharded(op: Any, what: str) -> None:
+    if _sharded(op):
+        raise NotImplementedError(
+            f"{what} does not support an operator of a model sharded with FSDP2 (fully_shard): "
+            "it orthogonalises blocks of whole vectors (QR, SVD). Use hutchinson_trace, "
+            "hutchinson_diagonal, eigvalsh, lanczos_quadrature, spectral_density or "
+            "slq_logdet, which sum their inner products over the ranks, or the operator's "
+            "exact diagonal() and trace()."
+        )
 
 
 def _check_count(num_matvecs: int, minimum: int = 1) -> None:
@@ -82,9 +123,8 @@ def hutchinson_trace(
     Cost: m matrix-vector products, in one product with a `[P, m]` matrix (one sweep).
     """
     _check_count(num_matvecs)
-    size, dtype, device = _info(op)
-    V = _random(size, num_matvecs, seed, distribution, dtype, device)
-    return (V * (op @ V)).sum() / num_matvecs
+    V = _draw(op, num_matvecs, seed, distribution)
+    return _total(op, (V * (op @ V)).sum()) / num_matvecs
 
 
 def hutchinson_diagonal(
@@ -99,8 +139,7 @@ def hutchinson_diagonal(
     Cost: m matrix-vector products, in one product with a `[P, m]` matrix (one sweep).
     """
     _check_count(num_matvecs)
-    size, dtype, device = _info(op)
-    V = _random(size, num_matvecs, seed, distribution, dtype, device)
+    V = _draw(op, num_matvecs, seed, distribution)
     return (V * (op @ V)).sum(1) / num_matvecs
 
 
@@ -121,6 +160,7 @@ def hutchpp_trace(
     then `A [Q, (I − QQᵀ) G]` (`min(s, P) + r` columns).
     """
     _check_count(num_matvecs, minimum=3)
+    _refuse_sharded(op, "hutchpp_trace")
     size, dtype, device = _info(op)
     s = num_matvecs // 3
     r = num_matvecs - 2 * s
@@ -147,6 +187,7 @@ def _leave_one_out(op: Any, num_matvecs: int, seed: int, distribution: str):
         `Ω`, `Y`, `Q`, `Z`, `R` and the list of the `B_i`.
     """
     _check_count(num_matvecs, minimum=2)
+    _refuse_sharded(op, "xtrace and xdiag")
     size, dtype, device = _info(op)
     s = num_matvecs // 2
     Omega = _random(size, s, seed, distribution, dtype, device)
@@ -286,14 +327,15 @@ def eigvalsh(
     Cost: one matrix-vector product (one sweep) per step; at most `max_iter` steps, typically a
     few times k for well-separated top eigenvalues.
     """
-    size, dtype, device = _info(op)
+    local, dtype, device = _info(op)
+    size = _size(op)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= size:
         raise ValueError(f"k must be an integer in [1, {size}], got {k!r}.")
     steps = max_iter if max_iter is not None else min(size, max(20 * k, 100))
     steps = max(min(steps, size), k)
-    basis = torch.empty(size, steps + 1, dtype=dtype, device=device)
-    v = _random(size, 1, seed, "normal", dtype, device)[:, 0]
-    basis[:, 0] = v / v.norm()
+    basis = torch.empty(local, steps + 1, dtype=dtype, device=device)
+    v = _draw(op, 1, seed, "normal")[:, 0]
+    basis[:, 0] = v / _norm(op, v)
     with _reusing(op):
         values, vectors, m = _lanczos_top(op, basis, k, tol, seed)
     eigenvalues = values.flip(0)[:k]
@@ -308,18 +350,18 @@ def _lanczos_top(op: Any, basis: Tensor, k: int, tol: float, seed: int) -> tuple
 
     Returns `(θ, S, m)`: the eigenpairs of the `m x m` tridiagonal `T_m`.
     """
-    size, dtype, device = basis.shape[0], basis.dtype, basis.device
+    size, dtype, device = _size(op), basis.dtype, basis.device
     steps = basis.shape[1] - 1
     alphas: list[Tensor] = []
     betas: list[Tensor] = []
     values = vectors = None
     for j in range(steps):
         w = op @ basis[:, j]
-        alpha = basis[:, j] @ w
+        alpha = _total(op, basis[:, j] @ w)
         # full reorthogonalisation (twice is enough)
         for _ in range(2):
-            w = w - basis[:, : j + 1] @ (basis[:, : j + 1].T @ w)
-        beta = w.norm()
+            w = w - basis[:, : j + 1] @ _total(op, basis[:, : j + 1].T @ w)
+        beta = _norm(op, w)
         alphas.append(alpha)
         T = torch.diag(torch.stack(alphas))
         if betas:
@@ -333,11 +375,11 @@ def _lanczos_top(op: Any, basis: Tensor, k: int, tol: float, seed: int) -> tuple
         if j + 1 >= k and (invariant or bool((residual <= tol * scale).all())):
             break
         if invariant:  # restart in the orthogonal complement (fewer than k found so far)
-            w = _random(size, 1, seed + j + 1, "normal", dtype, device)[:, 0]
+            w = _draw(op, 1, seed + j + 1, "normal")[:, 0]
             for _ in range(2):
-                w = w - basis[:, : j + 1] @ (basis[:, : j + 1].T @ w)
+                w = w - basis[:, : j + 1] @ _total(op, basis[:, : j + 1].T @ w)
             beta = torch.zeros((), dtype=dtype, device=device)
-            basis[:, j + 1] = w / w.norm()
+            basis[:, j + 1] = w / _norm(op, w)
             betas.append(beta)
             continue
         betas.append(beta)

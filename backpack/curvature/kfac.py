@@ -493,9 +493,7 @@ class KFACInverse(CurvatureOperator):
     """`(K + λI)⁻¹` of a `KFAC` operator `K`, applied in the factors' eigenbases."""
 
     def __init__(self, kfac: KFAC, damping: float) -> None:
-        self.model = kfac.model
-        self.names, self.shapes, self.numels = kfac.names, kfac.shapes, kfac.numels
-        self.dtype, self.device = kfac.dtype, kfac.device
+        self._layout_of(kfac)
         self.kfac = kfac
         self.damping = damping
 

@@ -6,6 +6,10 @@ sweeps the data once for all K columns of `V`: per batch, the K products are bat
 `torch.func.vmap` over reverse-mode derivatives of one plain autograd forward (so they
 differentiate what `.grad` differentiates), or formed from backpack's per-sample quantities.
 Every sweep must see one fixed function of the parameters (`backpack.curvature._forward`).
+
+On a model sharded with FSDP2 (`fully_shard`) vectors are this rank's local shards and every
+product is a collective over all ranks' data, by distributed autograd that gathers one
+module's parameters at a time (`backpack.curvature._fsdp_products`).
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ from backpack.curvature._data import (
 )
 from backpack.curvature._distributed import (
     all_sum,
-    check_not_fully_sharded,
     guarded,
     local_module,
     rank_of,
@@ -38,6 +41,15 @@ from backpack.curvature._forward import (
     product_forward,
     refuse_unfaithful_gradients,
     refuse_unfixed_forward,
+)
+from backpack.curvature._fsdp import is_fully_sharded
+from backpack.curvature._fsdp_products import (
+    Gathering,
+    Layout,
+    agree,
+    all_sum_values,
+    header_group,
+    reshard,
 )
 from backpack.curvature._sweep import Sweep
 from backpack.curvature.accumulate import accumulate_over
@@ -52,9 +64,16 @@ class CurvatureOperator:
 
     Subclasses implement `_matmat` on `[P, K]` matrices (and may override `diagonal`).
 
+    On a model sharded with FSDP2 (`fully_shard`, its parameters DTensors) a vector is this
+    rank's local shards: the flat concatenation of `p.to_local().reshape(-1)` over the trainable
+    parameters, `shape` is `(P_local, P_local)` and `sharded` is True. Products are then
+    collectives (every rank multiplies) returning this rank's rows; `global_size`,
+    `local_rows` and `sum_over_ranks` let estimators work with such vectors.
+
     Attributes:
         names: Trainable parameter names, in `model.parameters()` order.
-        shapes: Their shapes.
+        shapes: Their shapes (on a sharded model: of the local shards).
+        sharded: Whether vectors are local shards of an FSDP2 model.
     """
 
     def __init__(self, model: nn.Module, params: list[tuple[str, nn.Parameter]]) -> None:
@@ -62,16 +81,79 @@ class CurvatureOperator:
             raise ValueError("The model has no trainable parameter.")
         self.model = model
         self.names = [name for name, _ in params]
-        self.shapes = [tuple(p.shape) for _, p in params]
-        self.numels = [p.numel() for _, p in params]
+        locals_ = [_local(p) for _, p in params]
+        self.sharded = any(t is not p for t, (_, p) in zip(locals_, params))
+        self.shapes = [tuple(t.shape) for t in locals_]
+        self.numels = [t.numel() for t in locals_]
         self.dtype = params[0][1].dtype
-        self.device = params[0][1].device
+        self.device = locals_[0].device
+        self._global_numels = [p.numel() for _, p in params]
+        #: `(mesh, placements, shape, stride)` of each sharded parameter (DTensor vectors)
+        self._placements = [
+            (p.device_mesh, p.placements, p.shape, p.stride()) if t is not p else None
+            for t, (_, p) in zip(locals_, params)
+        ]
+
+    def _layout_of(self, op: CurvatureOperator) -> None:
+        """Take `op`'s model, parameters and vector layout (an operator derived from `op`)."""
+        self.model = op.model
+        self.names, self.shapes, self.numels = op.names, op.shapes, op.numels
+        self.dtype, self.device = op.dtype, op.device
+        self.sharded = op.sharded
+        self._global_numels, self._placements = op._global_numels, op._placements
 
     @property
     def shape(self) -> tuple[int, int]:
-        """`(P, P)`."""
+        """`(P, P)` (`(P_local, P_local)` on a sharded model)."""
         size = sum(self.numels)
         return size, size
+
+    @property
+    def global_size(self) -> int:
+        """P: the number of trainable parameters (unsharded)."""
+        return sum(self._global_numels)
+
+    def local_rows(self, full: Tensor) -> Tensor:
+        """This rank's rows of a `[P, K]` matrix laid out like the unsharded parameters.
+
+        The identity on an unsharded model; on an FSDP2 model, the rows of this rank's shards
+        (torch.chunk along each parameter's sharded dimension, as FSDP2 shards).
+        """
+        if not self.sharded:
+            return full
+        pieces, offset = [], 0
+        for numel, local, meta in zip(self._global_numels, self.shapes, self._placements):
+            block = full[offset : offset + numel]
+            offset += numel
+            if meta is None:
+                pieces.append(block)
+                continue
+            mesh, placements, shape, _ = meta
+            (placement,) = placements
+            dim = placement.dim
+            world = mesh.size()
+            me = mesh.get_local_rank()
+            step = -(-shape[dim] // world)
+            start = min(shape[dim], me * step)
+            part = block.reshape(*shape, -1).narrow(dim, start, local[dim])
+            pieces.append(part.reshape(-1, full.shape[1]))
+        return torch.cat(pieces)
+
+    def sum_over_ranks(self, t: Tensor) -> Tensor:
+        """`t` summed over the ranks (a collective) on a sharded model, else `t` itself.
+
+        For partial sums over this rank's rows (inner products, norms) of sharded vectors.
+        """
+        if not self.sharded:
+            return t
+        return all_sum_values(header_group(getattr(self, "_group", None)), t)
+
+    def _refuse_sharded(self, what: str, instead: str) -> None:
+        if self.sharded:
+            raise NotImplementedError(
+                f"{type(self).__name__}.{what} is not available on a model sharded with FSDP2 "
+                f"(fully_shard): {instead}"
+            )
 
     def _matmat(self, V: Tensor) -> Tensor:
         raise NotImplementedError
@@ -84,17 +166,53 @@ class CurvatureOperator:
         """
         yield
 
-    def __matmul__(self, v: Tensor) -> Tensor:
-        """The product with `v` of shape `[P]` or `[P, K]` (same shape out)."""
+    def __matmul__(self, v: Any) -> Any:
+        """The product with `v` of shape `[P]` or `[P, K]` (same shape out).
+
+        On a sharded model also a list of DTensors laid out like the trainable parameters
+        (a list of DTensors out).
+        """
+        if isinstance(v, (list, tuple)) and self.sharded:
+            return self._matmul_dtensors(list(v))
         if not isinstance(v, Tensor):
             return NotImplemented
         if v.dim() not in (1, 2) or v.shape[0] != self.shape[0]:
+            local = " (this rank's local shards)" if self.sharded else ""
             raise ValueError(
                 f"{type(self).__name__} multiplies [P] or [P, K] tensors with P = "
-                f"{self.shape[0]}, got shape {tuple(v.shape)}."
+                f"{self.shape[0]}{local}, got shape {tuple(v.shape)}."
             )
         V = v.reshape(self.shape[0], -1).to(device=self.device, dtype=self.dtype)
         return self._matmat(V).reshape(v.shape)
+
+    def _matmul_dtensors(self, vs: list[Any]) -> list[Any]:
+        from torch.distributed.tensor import DTensor
+
+        if len(vs) != len(self.names) or not all(isinstance(t, DTensor) for t in vs):
+            raise ValueError(
+                f"{type(self).__name__} multiplies a list of {len(self.names)} DTensors laid out "
+                "like the trainable parameters (or this rank's flat local shards), got "
+                f"{[type(t).__name__ for t in vs]}."
+            )
+        flat = []
+        for t, meta, name in zip(vs, self._placements, self.names):
+            if meta is None or tuple(t.shape) != tuple(meta[2]) or t.placements != meta[1]:
+                raise ValueError(
+                    f"The DTensor for {name} has shape {tuple(t.shape)} and placements "
+                    f"{t.placements}; the parameter has {None if meta is None else meta[2]} and "
+                    f"{None if meta is None else meta[1]}."
+                )
+            flat.append(t.to_local().reshape(-1))
+        out = self @ torch.cat(flat)
+        result = []
+        for block, meta, local in zip(out.split(self.numels), self._placements, self.shapes):
+            mesh, placements, shape, stride = meta
+            result.append(
+                DTensor.from_local(
+                    block.reshape(local), mesh, placements, shape=shape, stride=stride
+                )
+            )
+        return result
 
     def matmat(self, V: Tensor) -> Tensor:
         """The product with a `[P, K]` matrix."""
@@ -103,7 +221,7 @@ class CurvatureOperator:
     def split(self, V: Tensor) -> list[Tensor]:
         """`[P, K]` → one `[K, *shape]` tensor per parameter."""
         blocks = V.split(self.numels, dim=0)
-        return [b.T.reshape(-1, *s) for b, s in zip(blocks, self.shapes)]
+        return [b.T.reshape(b.shape[1], *s) for b, s in zip(blocks, self.shapes)]
 
     def join(self, blocks: list[Tensor]) -> Tensor:
         """Inverse of `split`: one `[K, *shape]` tensor per parameter → `[P, K]`."""
@@ -111,6 +229,12 @@ class CurvatureOperator:
 
     def to_dense(self) -> Tensor:
         """The dense `[P, P]` matrix (P products; mind the memory)."""
+        self._refuse_sharded(
+            "to_dense()",
+            "a dense matrix needs every parameter's rows on one rank. Use products, "
+            "diagonal(), trace(), eigvalsh or the estimators, or build the operator on an "
+            "unsharded copy of the model with distributed=True.",
+        )
         eye = torch.eye(self.shape[0], dtype=self.dtype, device=self.device)
         dense = self @ eye
         return (dense + dense.T) / 2
@@ -120,11 +244,17 @@ class CurvatureOperator:
         return self.to_dense().diagonal().clone()
 
     def trace(self) -> Tensor:
-        """The trace (sum of `diagonal()`)."""
-        return self.diagonal().sum()
+        """The trace (sum of `diagonal()`; on a sharded model summed over the ranks)."""
+        return self.sum_over_ranks(self.diagonal().sum())
 
     def to_scipy(self):
         """A `scipy.sparse.linalg.LinearOperator` (float64 numpy in and out; needs SciPy)."""
+        self._refuse_sharded(
+            "to_scipy()",
+            "SciPy's solvers take inner products of whole vectors, which a rank's shards are "
+            "not. Use backpack.curvature.eigvalsh or inverse(damping) (conjugate gradients), "
+            "which sum inner products over the ranks.",
+        )
         try:
             from scipy.sparse.linalg import LinearOperator
         except ImportError as err:  # pragma: no cover - depends on the environment
@@ -149,6 +279,12 @@ class CurvatureOperator:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(shape={self.shape}, dtype={self.dtype})"
+
+
+def _local(p: Tensor) -> Tensor:
+    """A DTensor's local shard (the tensor itself otherwise)."""
+    to_local = getattr(p, "to_local", None)
+    return to_local() if callable(to_local) and type(p).__name__ == "DTensor" else p
 
 
 class CGInverse(CurvatureOperator):
@@ -194,12 +330,11 @@ class CGInverse(CurvatureOperator):
         ):
             raise ValueError(f"max_iter must be a positive integer, got {max_iter!r}.")
         self.op = op
-        self.model = op.model
-        self.names, self.shapes, self.numels = op.names, op.shapes, op.numels
-        self.dtype, self.device = op.dtype, op.device
+        self._layout_of(op)
+        self._group = getattr(op, "_group", None)
         self.damping = float(damping)
         self.tol = float(tol)
-        self.max_iter = max_iter if max_iter is not None else min(2 * op.shape[0], 1000)
+        self.max_iter = max_iter if max_iter is not None else min(2 * op.global_size, 1000)
         self.preconditioner = preconditioner
         self.info: CGInfo | None = None
 
@@ -217,6 +352,7 @@ class CGInverse(CurvatureOperator):
                     max_iter=self.max_iter,
                     preconditioner=precondition,
                     name=name,
+                    total=self.sum_over_ranks if self.sharded else None,
                 )
         except NotPositiveDefiniteError as err:
             if isinstance(self.op, Hessian) and "pᵀSp" in str(err):
@@ -266,7 +402,8 @@ class _DataOperator(CurvatureOperator):
         name = type(self).__name__
         needs_reiterable(data, name)
         model = local_module(model)
-        check_not_fully_sharded(model, name)
+        if is_fully_sharded(model):
+            reshard(model)  # a forward without backward may have left parameters gathered
         if forward_seed is not None and (
             isinstance(forward_seed, bool) or not isinstance(forward_seed, int)
         ):
@@ -288,6 +425,16 @@ class _DataOperator(CurvatureOperator):
             what=name,
         )
         self._fingerprint = self.sweep.fingerprint()
+        #: where the parameters of an FSDP2 model live (None for an unsharded model)
+        self.layout: Layout | None = None
+        if self.sweep.sharded:
+            if distributed is False:
+                raise ValueError(
+                    f"{name}(..., distributed=False) cannot use a model sharded with FSDP2 "
+                    "(fully_shard): its products are collectives over every rank, each rank "
+                    "sweeping its own shard of the data. Pass distributed=None or True."
+                )
+            self.layout = Layout(model, self.sweep.group, name)
 
     lossfunc = property(lambda self: self.sweep.lossfunc, doc="The loss.")
     data = property(lambda self: self.sweep.data, doc="The batches every product sweeps.")
@@ -322,6 +469,8 @@ class _DataOperator(CurvatureOperator):
         return CGInverse(self, damping, tol=tol, max_iter=max_iter, preconditioner=preconditioner)
 
     def _check_model(self) -> None:
+        if self.layout is not None:
+            reshard(self.model)
         if self.sweep.fingerprint() != self._fingerprint:
             raise ValueError(
                 f"The model's parameters changed since this {type(self).__name__} was built; "
@@ -363,6 +512,9 @@ class _DataOperator(CurvatureOperator):
         return stack
 
     def _matmat(self, V: Tensor) -> Tensor:
+        if self.layout is not None:
+            return self._sharded_matmat(V)
+
         def local() -> tuple[Tensor, float]:
             out = torch.zeros_like(V)
             total = 0.0
@@ -375,6 +527,141 @@ class _DataOperator(CurvatureOperator):
 
         out, total = self._global(local, torch.zeros_like(V))
         return out / self.sweep.total(total)
+
+    def _sharded_matmat(self, V: Tensor) -> Tensor:
+        """This rank's rows of the product on an FSDP2 model (a collective, see `_fsdp_products`).
+
+        Every rank sweeps its own batches, one batch of each rank at a time: the ranks first
+        agree that each has a batch (or stop together), then take the batch's product together
+        (the gathers and reduce-scatters inside sum the ranks' contributions), then exchange
+        their outcome and `ν_b`. The ranks must have the same number of batches (sizes may
+        differ).
+        """
+        group = self.layout.header
+        what = f"{type(self).__name__} @ [P, {V.shape[1]}] (FSDP2)"
+        out = torch.zeros_like(V)
+        total, index = 0.0, 0
+        blocks = self.split(V)  # [K, *local shape] per parameter
+        batches = self._sweep(what)
+        try:
+            while True:
+                batch, error = None, None
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    pass
+                except Exception as err:  # noqa: BLE001 - agreed with the other ranks first
+                    error = err
+                table = agree(group, [float(batch is not None)], error, f"{what}, batch {index}")
+                has = table[:, 0].tolist()
+                if not any(has):
+                    break
+                if not all(has):
+                    raise RuntimeError(
+                        f"{what}: the ranks' shards have different numbers of batches: ranks "
+                        f"{[r for r, h in enumerate(has) if h]} have a batch {index}, ranks "
+                        f"{[r for r, h in enumerate(has) if not h]} have none. Every rank must "
+                        "sweep the same number of batches (their sizes may differ): the "
+                        "products are collectives over every rank."
+                    )
+                assert batch is not None
+                # the forward and the loss, then (every rank ready) the backward passes: an error
+                # in the loss (a target of the wrong shape) is agreed before any backward
+                nu, finish, error = 0.0, None, None
+                try:
+                    nu, finish = self._sharded_batch(batch, blocks, Gathering(self.layout))
+                except Exception as err:  # noqa: BLE001 - agreed with the other ranks first
+                    error = err
+                table = agree(group, [nu], error, f"{what}, batch {index}")
+                error = None
+                try:
+                    finish(out)
+                except Exception as err:  # noqa: BLE001 - agreed with the other ranks first
+                    error = err
+                agree(group, [], error, f"{what}, batch {index}")
+                total += float(table[:, 0].sum())
+                index += 1
+        finally:
+            batches.close()
+        return out / self.sweep.total(total)
+
+    def _sharded_batch(
+        self, batch: Batch, blocks: list[Tensor], gathering: Gathering
+    ) -> tuple[float, Callable[[Tensor], None]]:
+        """The batch's forward and loss; returns `ν_b` and `finish`.
+
+        `finish(out)` adds this rank's rows of the batch's product (summed over ranks, at the
+        sum scale) to `out`. `blocks`: the K columns as one `[K, *local shape]` tensor per
+        parameter (`split`).
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} does not support a model sharded with FSDP2 (fully_shard)."
+        )
+
+    def _sharded_forward(self, batch: Batch, gathering: Gathering) -> tuple[Tensor, float]:
+        """The batch's output with its graph (parameters gathered module by module), and `ν_b`."""
+        model = self.model
+        with disable(), torch.enable_grad(), product_forward(model):
+            with gathering.running(model), gathering.saving():
+                output = model(batch.X)
+        if not output.requires_grad:
+            raise ValueError(
+                f"{type(self).__name__}: the model's output does not depend on its trainable "
+                "parameters."
+            )
+        return output, self._nu(output.detach(), batch.y)
+
+    def _output_products(
+        self,
+        output: Tensor,
+        blocks: list[Tensor],
+        gathering: Gathering,
+        curvature: Callable,
+        out: Tensor,
+    ) -> None:
+        """Add `Jᵀ C J V` to `out`, column by column, `C = curvature` (on output-shaped tensors).
+
+        `J V` by reverse mode only, as in `GGN`: the derivative along v of `u ↦ Jᵀu`.
+        """
+        variables = gathering.variables
+        count = blocks[0].shape[0]
+        with torch.enable_grad(), gathering.saving():
+            dummy = torch.zeros_like(output, requires_grad=True)
+            pulled = torch.autograd.grad(
+                output,
+                variables,
+                dummy,
+                create_graph=True,
+                allow_unused=True,
+                materialize_grads=True,
+            )
+            live = [i for i, g in enumerate(pulled) if g.requires_grad]
+            for k in range(count):
+                if live:
+                    (jv,) = torch.autograd.grad(
+                        [pulled[i] for i in live],
+                        dummy,
+                        [blocks[i][k] for i in live],
+                        retain_graph=True,
+                    )
+                else:
+                    jv = torch.zeros_like(output)
+                back = torch.autograd.grad(
+                    output,
+                    variables,
+                    curvature(jv),
+                    retain_graph=k + 1 < count,
+                    allow_unused=True,
+                    materialize_grads=True,
+                )
+                self._add_column(out, k, back)
+
+    def _add_column(self, out: Tensor, k: int, pieces: tuple[Tensor, ...]) -> None:
+        """Add one parameter-shaped piece per parameter to column k of `out` (no copies)."""
+        offset = 0
+        for piece, numel in zip(pieces, self.numels):
+            out[offset : offset + numel, k] += piece.reshape(-1)
+            offset += numel
 
     def _global(
         self, local: Callable[[], tuple[Tensor, float]], empty: Tensor
@@ -481,12 +768,35 @@ class GGN(_DataOperator):
             raise ValueError(f"mc_samples must be None or a positive integer, got {mc_samples!r}.")
         self.mc_samples = mc_samples
         self.seed = seed
+        if mc_samples is not None and self.layout is not None:
+            raise NotImplementedError(
+                "GGN(mc_samples=...) does not support a model sharded with FSDP2 (fully_shard): "
+                "its sampled square-root factors are per-sample rows of whole parameters. Use "
+                "the exact GGN (mc_samples=None), or KFAC(fisher_type='mc')."
+            )
 
     def _matmat(self, V: Tensor) -> Tensor:
         if self.mc_samples is None:
             with _twice_differentiable(type(self).__name__):
                 return super()._matmat(V)
         return self._mc_sweep(V)
+
+    def _sharded_batch(self, batch, blocks, gathering):  # noqa: D102
+        output, nu = self._sharded_forward(batch, gathering)
+        empty = self.sweep.empty(nu)
+        target = output.detach().requires_grad_(True)
+        if not empty:
+            with torch.enable_grad():
+                loss = self.lossfunc(target, batch.y) * self._scale(nu)
+                (slope,) = torch.autograd.grad(loss, target, create_graph=True)
+
+        def curvature(jv: Tensor) -> Tensor:
+            if empty:  # no loss term, but the same collectives as the other ranks
+                return torch.zeros_like(jv)
+            (hjv,) = torch.autograd.grad(slope, target, jv, retain_graph=True)
+            return hjv
+
+        return nu, lambda out: self._output_products(output, blocks, gathering, curvature, out)
 
     def _batch_product(self, batch, V):  # noqa: D102
         names, params = zip(*trainable(self.model))
@@ -652,7 +962,7 @@ class Hessian(_DataOperator):
         forward needs `forward_seed` (see `GGN`): every sweep draws the same masks, so the kept
         graphs and a new sweep give the same products.
         """
-        if self._kept is not None:  # nested: the outer block keeps
+        if self._kept is not None or self.layout is not None:  # nested, or FSDP2: no graphs
             yield
             return
         budget = self.KEPT_GRAPH_BYTES if max_bytes is None else max_bytes
@@ -708,6 +1018,38 @@ class Hessian(_DataOperator):
         live = [i for i, g in enumerate(grads) if g.requires_grad]
         return _Graph(names, params, grads, live, nu)
 
+    def _sharded_batch(self, batch, blocks, gathering):  # noqa: D102
+        model = self.model
+        with disable(), torch.enable_grad(), product_forward(model), gathering.saving():
+            with gathering.running(model):
+                output = model(batch.X)
+            nu = self._nu(output.detach(), batch.y)
+            if self.sweep.empty(nu):  # no loss term, but the same collectives as the others
+                loss = output.square().sum() * 0.0
+            else:
+                loss = self.lossfunc(output, batch.y) * self._scale(nu)
+
+        def finish(out: Tensor) -> None:
+            variables = gathering.variables
+            count = blocks[0].shape[0]
+            with torch.enable_grad(), gathering.saving():
+                grads = torch.autograd.grad(
+                    loss, variables, create_graph=True, allow_unused=True, materialize_grads=True
+                )
+                live = [i for i, g in enumerate(grads) if g.requires_grad]
+                for k in range(count if live else 0):
+                    hv = torch.autograd.grad(
+                        [grads[i] for i in live],
+                        variables,
+                        [blocks[i][k] for i in live],
+                        retain_graph=k + 1 < count,
+                        allow_unused=True,
+                        materialize_grads=True,
+                    )
+                    self._add_column(out, k, hv)
+
+        return nu, finish
+
     def _batch_product(self, batch, V):  # noqa: D102
         kept = self._kept
         if kept is None or kept.graphs is None:
@@ -744,6 +1086,12 @@ class Hessian(_DataOperator):
         try:
             return self._accumulated(DiagHessian())[0]
         except NotImplementedError as err:
+            if self.layout is not None:
+                raise NotImplementedError(
+                    f"Hessian.diagonal() on a model sharded with FSDP2 needs DiagHessian to "
+                    f"support the model ({err}); estimate it with "
+                    "backpack.curvature.hutchinson_diagonal(op, num_matvecs) instead."
+                ) from err
             warnings.warn(
                 f"DiagHessian does not support this model ({err}); the Hessian diagonal is "
                 f"computed from {self.shape[0]} Hessian-vector products instead.",
@@ -816,6 +1164,32 @@ class EmpiricalFisher(_DataOperator):
     (an `[N_b, P]` matrix) and two matrix products. `diagonal()` is one
     `accumulate(SumGradSquared())` sweep.
     """
+
+    def _sharded_batch(self, batch, blocks, gathering):  # noqa: D102
+        output, nu = self._sharded_forward(batch, gathering)
+        if output.dim() == 0 or output.shape[0] != batch.num_samples:
+            raise NotImplementedError(
+                "EmpiricalFisher on a model sharded with FSDP2 (fully_shard) takes the rows of "
+                "the model's output as its samples; this output has shape "
+                f"{tuple(output.shape)} for {batch.num_samples} samples. Use the GGN, or an "
+                "unsharded copy of the model with distributed=True."
+            )
+        empty = self.sweep.empty(nu)
+        rows = None
+        if not empty:
+            target = output.detach().requires_grad_(True)
+            with torch.enable_grad():
+                loss = self.lossfunc(target, batch.y) * self._scale(nu)
+                (rows,) = torch.autograd.grad(loss, target)
+
+        def curvature(jv: Tensor) -> Tensor:
+            # Σ_n g_n g_nᵀ J_n v: each sample's output gradient times its directional derivative
+            if rows is None:
+                return torch.zeros_like(jv)
+            dims = tuple(range(1, jv.dim()))
+            return rows * (rows * jv).sum(dim=dims, keepdim=True)
+
+        return nu, lambda out: self._output_products(output, blocks, gathering, curvature, out)
 
     def _batch_product(self, batch, V):  # noqa: D102
         self.sweep.extend()

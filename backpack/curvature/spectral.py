@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from backpack.curvature.estimators import _info, _random, _reusing
+from backpack.curvature.estimators import _draw, _info, _norm, _reusing, _size, _total
 
 __all__ = ["lanczos_quadrature", "spectral_density", "slq_logdet"]
 
@@ -62,11 +62,12 @@ def lanczos_quadrature(
     """
     _check_positive("num_probes", num_probes)
     _check_positive("num_steps", num_steps)
-    size, dtype, device = _info(op)
+    local, dtype, device = _info(op)
+    size = _size(op)
     steps = min(num_steps, size)
-    V = _random(size, num_probes, seed, distribution, dtype, device)
-    basis = torch.zeros(steps + 1, size, num_probes, dtype=dtype, device=device)
-    basis[0] = V / V.norm(dim=0)
+    V = _draw(op, num_probes, seed, distribution)
+    basis = torch.zeros(steps + 1, local, num_probes, dtype=dtype, device=device)
+    basis[0] = V / _norm(op, V, dim=0)
     alphas = torch.zeros(steps, num_probes, dtype=dtype, device=device)
     betas = torch.zeros(steps, num_probes, dtype=dtype, device=device)
     lengths = torch.full((num_probes,), steps, dtype=torch.long)
@@ -78,12 +79,12 @@ def lanczos_quadrature(
             if idx.numel() == 0:
                 break
             W = op @ basis[j][:, idx]
-            alphas[j, idx] = (basis[j][:, idx] * W).sum(0)
+            alphas[j, idx] = _total(op, (basis[j][:, idx] * W).sum(0))
             previous = basis[: j + 1][:, :, idx]
             for _ in range(2):  # full reorthogonalisation, twice is enough
-                coefficients = torch.einsum("kpl,pl->kl", previous, W)
+                coefficients = _total(op, torch.einsum("kpl,pl->kl", previous, W))
                 W = W - torch.einsum("kpl,kl->pl", previous, coefficients)
-            beta = W.norm(dim=0)
+            beta = _norm(op, W, dim=0)
             betas[j, idx] = beta
             if j + 1 == steps:
                 break
@@ -209,7 +210,7 @@ def slq_logdet(
     """
     if isinstance(damping, bool) or not isinstance(damping, (int, float)) or damping < 0:
         raise ValueError(f"damping must be a number >= 0, got {damping!r}.")
-    size = _info(op)[0]
+    size = _size(op)
     nodes, weights = lanczos_quadrature(op, num_probes, num_steps, seed, distribution)
     shifted = nodes + damping
     used = weights > 0
