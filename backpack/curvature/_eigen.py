@@ -27,7 +27,7 @@ the weight's `[g, a]` part and the bias's last column.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -73,11 +73,29 @@ class EigenState:
         self.q_bias = q_bias
         self.columns = columns
         self.fold = fold
+        #: called before the rule uses the eigenbases (FSDP2: they arrive just in time)
+        self.fetch: Callable[[], None] | None = None
+
+    def ready(self) -> EigenState:
+        """The state, its eigenbases present (fetched first where they arrive just in time)."""
+        if self.fetch is not None:
+            self.fetch()
+        return self
+
+
+def own_class(module: nn.Module) -> type:
+    """The module's class, or the class FSDP2's `fully_shard` subclassed (`FSDP<class>`)."""
+    cls = type(module)
+    if cls.__name__.startswith("FSDP"):
+        bases = [b for b in cls.__bases__ if b.__name__ != "FSDPModule"]
+        if len(bases) == 1 and len(cls.__bases__) == 2:
+            return bases[0]
+    return cls
 
 
 def is_target(module: nn.Module) -> bool:
     """Whether `module` can take its diagonals in an eigenbasis: `nn.Linear`, torch's convs."""
-    if type(module) in CONV_CLASSES:
+    if own_class(module) in CONV_CLASSES:
         return rule_is(module, ConvRule)
     return rule_is(module, LinearRule)
 
@@ -182,11 +200,11 @@ class _EigenLinearRule(LinearRule):
         module = record.module
         if per_sample:
             raise NotImplementedError(f"EKFAC's eigenbasis diagonal of {module} is not per sample")
-        state: EigenState = state_of(module)
         x = record.args[0]
         x = x.reshape(x.shape[0], -1, x.shape[-1])
         if factors[0] is None:
             return {name: torch.zeros_like(getattr(module, name)) for name in names}
+        state: EigenState = state_of(module).ready()
         f = self._flat_factor(record, factors)
         result = {}
         if "weight" in names:
@@ -384,7 +402,7 @@ class _EigenConvRule(ConvRule):
     def _squares(self, record, x, f, names, coef, sums: dict | None) -> dict[str, Tensor]:
         """The diagonals in the eigenbases; the (plain) gradients into `sums` if given."""
         module = record.module
-        state: EigenState = state_of(module)
+        state: EigenState = state_of(module).ready()
         result = {}
         if "weight" in names:
             gradient: list[Tensor] | None = None if sums is None else []
@@ -428,7 +446,7 @@ class _EigenConvRule(ConvRule):
 def eigen_rules(targets: Mapping[nn.Module, EigenState]):
     """The target layers' diagonals in their eigenbases, for the duration of the block."""
     lent_rules = {
-        module: (_EigenConvRule if type(module) in CONV_CLASSES else _EigenLinearRule, state)
+        module: (_EigenConvRule if own_class(module) in CONV_CLASSES else _EigenLinearRule, state)
         for module, state in targets.items()
     }
     with lent(lent_rules):

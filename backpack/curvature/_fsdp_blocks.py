@@ -136,29 +136,8 @@ class ShardedBlocks:
         Returns:
             `{parameter name: [K, *local shape]}`.
         """
-        by_owner: list[list[BlockLayout]] = [[] for _ in range(self.world)]
-        for b in self.blocks:
-            by_owner[self.owner[b.name]].append(b)
-        full: dict[str, Tensor] = {}
-        if pieces is not None:  # 1. every block's shards to its owner
-            for owner, blocks in enumerate(by_owner):
-                names = [n for b in blocks for n in b.names]
-                if not names:
-                    continue
-                length = max(sum(self._sizes(names, k, g)) for g in range(self.world))
-                send = like.new_zeros(max(length, 1))
-                offset = 0
-                for n, size in zip(names, self._sizes(names, k, self.me)):
-                    send[offset : offset + size] = pieces[n].reshape(-1)
-                    offset += size
-                dst = dist.get_global_rank(self.group, owner)
-                if owner == self.me:
-                    received = [torch.empty_like(send) for _ in range(self.world)]
-                    self._run(f"{step} (gather)", dist.gather, send, received, dst=dst)
-                    full.update(self._assemble(names, received, k))
-                else:
-                    self._run(f"{step} (gather)", dist.gather, send, None, dst=dst)
-                del send
+        by_owner = self._by_owner()
+        full = {} if pieces is None else self.collect(pieces, k, like, step)
         # 2. the owner's blocks, errors agreed before anyone waits for rows
         results: dict[str, Tensor] = {}
         error = None
@@ -203,6 +182,41 @@ class ShardedBlocks:
                 mine[n] = recv[offset : offset + size].view(k, *s.chunk_shape(s.chunk_of[self.me]))
                 offset += size
         return mine
+
+    def _by_owner(self) -> list[list[BlockLayout]]:
+        by_owner: list[list[BlockLayout]] = [[] for _ in range(self.world)]
+        for b in self.blocks:
+            by_owner[self.owner[b.name]].append(b)
+        return by_owner
+
+    def collect(
+        self, pieces: dict[str, Tensor], k: int, like: Tensor, step: str
+    ) -> dict[str, Tensor]:
+        """Every block's whole parameters `[K, *shape]` on its owner, from the ranks' shards.
+
+        `pieces` are this rank's `[K, *local shape]` shards of every parameter. A collective
+        (one `gather` per owner); the result holds the parameters of the blocks this rank owns.
+        """
+        full: dict[str, Tensor] = {}
+        for owner, blocks in enumerate(self._by_owner()):
+            names = [n for b in blocks for n in b.names]
+            if not names:
+                continue
+            length = max(sum(self._sizes(names, k, g)) for g in range(self.world))
+            send = like.new_zeros(max(length, 1))
+            offset = 0
+            for n, size in zip(names, self._sizes(names, k, self.me)):
+                send[offset : offset + size] = pieces[n].reshape(-1)
+                offset += size
+            dst = dist.get_global_rank(self.group, owner)
+            if owner == self.me:
+                received = [torch.empty_like(send) for _ in range(self.world)]
+                self._run(f"{step} (gather)", dist.gather, send, received, dst=dst)
+                full.update(self._assemble(names, received, k))
+            else:
+                self._run(f"{step} (gather)", dist.gather, send, None, dst=dst)
+            del send
+        return full
 
     def _assemble(self, names: Sequence[str], received: list[Tensor], k: int) -> dict[str, Tensor]:
         """Whole `[K, *shape]` parameters from every rank's gathered shards."""

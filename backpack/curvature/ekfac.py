@@ -28,25 +28,26 @@ from backpack.curvature._blocks import (
     blockwise,
 )
 from backpack.curvature._data import Normaliser, first_tensor, needs_reiterable, trainable
-from backpack.curvature._distributed import check_not_fully_sharded, local_module, rank_of
+from backpack.curvature._distributed import local_module, rank_of
 from backpack.curvature._eigen import EigenState, eigen_rules, is_target
 from backpack.curvature._forward import refuse_unfaithful_gradients
+from backpack.curvature._fsdp import is_fully_sharded
+from backpack.curvature._fsdp_blocks import (
+    ShardedBlocks,
+    refuse_dense,
+    sharded_diagonal,
+    sharded_matmul,
+)
+from backpack.curvature._fsdp_eigen import check_calls, refuse_blocks, sharded_correction
 from backpack.curvature._rows import row_batches
 from backpack.curvature._sweep import Sweep
 from backpack.curvature.accumulate import accumulate_over
 from backpack.curvature.kfac import KFAC
 from backpack.curvature.operators import CurvatureOperator
+from backpack.distributed import _group as _dist_group
 from backpack.extensions import DiagGGNExact, DiagGGNMC, SumGradSquared
 
 __all__ = ["EKFAC", "EKFACInverse", "EigenBlock"]
-
-#: why EKFAC refuses FSDP2 models (named in the error)
-_FSDP_WHY = (
-    "its eigenvalue-correction sweep takes every layer's diagonal in that layer's eigenbasis "
-    "inside the backward, so it would need every layer's eigenbases on every rank, a whole "
-    "model's worth of factors per rank (KFAC is supported: each layer's factors on one owner "
-    "rank)"
-)
 
 #: which rows (see `_rows`) give the curvature of each `fisher_type`
 _ROWS = {"type-2": "type-2", "mc": "mc", "empirical": "grad"}
@@ -160,9 +161,21 @@ class EigenBlock(BlockLayout):
 
 
 def kfac_eigenblocks(kfac: KFAC) -> list[EigenBlock]:
-    """KFAC's blocks in their eigenbases: `Q_G ⊗ Q_A` with eigenvalues `λ_G,i λ_A,j` (or `Q_B`)."""
+    """KFAC's blocks in their eigenbases: `Q_G ⊗ Q_A` with eigenvalues `λ_G,i λ_A,j` (or `Q_B`).
+
+    On a model sharded with FSDP2 only the owner of a block (`kfac.owners`) decomposes its
+    factors; the other ranks get shape-only (meta) eigenvectors and eigenvalues.
+    """
     blocks = []
+    owned = {b.name for b in kfac._owned()}
     for b in kfac.blocks:
+        if b.name not in owned:
+            sizes = [f.shape[0] for f in b.factors]
+            dtype = b.factors[0].dtype
+            vectors = [torch.empty(n, n, dtype=dtype, device="meta") for n in sizes]
+            values = torch.empty(*sizes, dtype=dtype, device="meta")
+            blocks.append(EigenBlock(b.name, b.shape, vectors, values, b.transposed, b.bias))
+            continue
         eig = b.eig()
         vectors = [q for _, q in eig]
         blocks.append(EigenBlock(b.name, b.shape, vectors, b.eigenvalues(), b.transposed, b.bias))
@@ -493,6 +506,93 @@ def _correct(
     return total, count
 
 
+def _correct_sharded(
+    sweep: Sweep,
+    blocks: list[EigenBlock],
+    routing: ShardedBlocks,
+    fisher_type: str,
+    mc_samples: int,
+    kfac_approx: str,
+    device: torch.device,
+) -> tuple[float, int]:
+    """`_correct` on a model sharded with FSDP2: the owners' blocks get corrected eigenvalues.
+
+    Every block must be a target of the eigenbasis rules (or a bias block whose eigenvalues
+    are exact already): the rows the other blocks would need are not available on a sharded
+    model. The sweep is `_fsdp_eigen.sharded_correction` (eigenbases broadcast just in time).
+
+    Raises:
+        NotImplementedError: On every rank, for blocks the sweep cannot take.
+    """
+    model = sweep.model
+    exact = _exact_bias_blocks(model, blocks, kfac_approx) if fisher_type == "type-2" else set()
+    if exact:
+        exact -= _inexact_linear_biases(model, exact, sweep.first_inputs())
+    targets = _eigen_targets(model, blocks, exact)
+    swept = {n for weight, bias in targets.values() for n in (weight.name, bias and bias.name)}
+    missing = [b for b in blocks if b.name not in swept and b.name not in exact]
+    if missing:  # the same blocks on every rank (the same model)
+        raise refuse_blocks(
+            missing,
+            "they are not nn.Linear or convolution blocks in Kronecker eigenbases of their "
+            "layer's orientation (embeddings, normalisations, other layers' dense blocks, tied "
+            "weights, parametrized layers)",
+        )
+    swept_params = {m: _swept_params(m, pair) for m, pair in targets.items()}
+    error, ok, width = None, [], 1
+    try:
+        dtypes = {m: weight.vectors[0].dtype for m, (weight, _) in targets.items()}
+        ok, width = check_calls(model, swept_params, dtypes, sweep.first_inputs())
+    except Exception as err:  # noqa: BLE001 - agreed with the other ranks first
+        error = err
+    table = routing.agree(error, [float(x) for x in ok] or [0.0] * len(targets), "check layers")
+    bad = [w for (w, _), good in zip(targets.values(), table.min(0).values.tolist()) if not good]
+    if bad:
+        raise refuse_blocks(
+            bad,
+            "their layers are called more than once per forward, their parameters are also "
+            "used outside the layer's own call, or the layer computes in another dtype than its "
+            "factors' (FSDP2's mixed precision) (checked on every rank's first batch)",
+        )
+    columns = {"type-2": width, "mc": mc_samples, "empirical": 1}[fisher_type]
+    states = {
+        module: EigenState(
+            *weight.vectors,
+            bias.vectors[0] if bias is not None else None,
+            columns,
+            fold=weight.bias is not None,
+        )
+        for module, (weight, bias) in targets.items()
+    }
+    if fisher_type == "type-2":
+        extension: Any = DiagGGNExact()
+    elif fisher_type == "mc":
+        extension = DiagGGNMC(mc_samples=mc_samples)
+    else:
+        extension = SumGradSquared()
+    try:
+        diagonal, result = sharded_correction(sweep, routing, targets, states, extension, device)
+    except NotImplementedError as err:
+        raise refuse_blocks(
+            [w for w, _ in targets.values()],
+            f"backpack's engine needs per-sample quantities of their layers ({err})",
+        ) from err
+    # SumGradSquared holds Σ_n (∇ℓ_n / ν)²: one factor ν back to R Σ_n (qᵀ∇ℓ_n)²
+    scale = result.normaliser if fisher_type == "empirical" else 1.0
+    for weight, bias in targets.values():
+        for block in (weight, bias):
+            if block is None or routing.owner[block.name] != routing.me:
+                continue
+            values = diagonal[block.name]
+            if block.bias is not None:  # the folded bias: the last input column
+                values = torch.cat(
+                    [values.reshape(block.rows, -1), diagonal[block.bias].reshape(block.rows, 1)],
+                    dim=1,
+                )
+            block.values = values.reshape(block.values.shape) * scale
+    return result.total, result.num_samples
+
+
 class EKFAC(CurvatureOperator):
     """Eigenvalue-corrected KFAC of a data set, block diagonal over the parameters.
 
@@ -521,6 +621,14 @@ class EKFAC(CurvatureOperator):
             block (one eigenbasis `Q_G ⊗ Q_Ã` of `[W | b]`, its corrected eigenvalues from the
             gradients of `[W | b]`).
 
+    On a model sharded with FSDP2 (`fully_shard`) each block's eigenbasis and corrected
+    eigenvalues live on its KFAC owner (`owners`); the correction sweep broadcasts each layer's
+    eigenbases from their owners just before the layer's backward and frees them after (one
+    layer's at a time per rank). Only `nn.Linear` and convolution blocks (called once per
+    forward, parameters used only in their call, no mixed precision) are supported; others are
+    refused on every rank. Vectors, products and the other methods are as for `KFAC` on FSDP2
+    (docs: "Distributed sweeps", FSDP2).
+
     Its scale is the data-set loss's, like `KFAC`'s: the corrected eigenvalues are
     `R Σ_r (q_kᵀ u_r)²` with `R` the reduction factor (`1/ν` or 1). Cost: one sweep for the
     Kronecker factors (as `KFAC`), their eigendecompositions, and one sweep for the corrected
@@ -547,8 +655,8 @@ class EKFAC(CurvatureOperator):
     ) -> None:
         model = local_module(model)
         needs_reiterable(data, "EKFAC")
-        check_not_fully_sharded(model, "EKFAC", _FSDP_WHY)
-        refuse_unfaithful_gradients(model, "EKFAC")
+        if not is_fully_sharded(model):
+            refuse_unfaithful_gradients(model, "EKFAC")
         sweep = Sweep(
             model,
             lossfunc,
@@ -573,8 +681,8 @@ class EKFAC(CurvatureOperator):
     ) -> EKFAC:
         """`EKFAC` of a prepared `Sweep` (the data-set layer's own entry; arguments as above)."""
         sweep.needs_reiterable("EKFAC")
-        check_not_fully_sharded(sweep.model, "EKFAC", _FSDP_WHY)
-        refuse_unfaithful_gradients(sweep.model, "EKFAC")
+        if not sweep.sharded:
+            refuse_unfaithful_gradients(sweep.model, "EKFAC")
         op = cls.__new__(cls)
         op._build(sweep, fisher_type, kfac_approx, mc_samples, seed, separate_weight_and_bias)
         return op
@@ -602,7 +710,18 @@ class EKFAC(CurvatureOperator):
         self.fisher_type = fisher_type
         self.blocks = kfac_eigenblocks(kfac)
         group = sweep.group
-        if group is not None:  # one eigenbasis on every rank (eigh may differ across ranks)
+        #: on an FSDP2 model: each block's owner rank (KFAC's) and the routing of local shards
+        self._sharded: ShardedBlocks | None = None
+        rank = rank_of(group)
+        if sweep.sharded:
+            assert kfac.owners is not None
+            self._sharded = ShardedBlocks(
+                kfac.model, self.blocks, kfac.owners, _dist_group(), "EKFAC"
+            )
+            self.shapes = self._sharded.local_shapes
+            self.numels = self._sharded.local_numels
+            rank = self._sharded.me
+        elif group is not None:  # one eigenbasis on every rank (eigh may differ across ranks)
             vectors = _dist.all_reduce_flat(
                 group,
                 [q * (rank_of(group) == 0) for b in self.blocks for q in b.vectors],
@@ -612,17 +731,59 @@ class EKFAC(CurvatureOperator):
                 b.vectors = [vectors.pop(0) for _ in b.vectors]
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed + 1 + rank_of(group))
-            total, count = _correct(sweep, self.blocks, fisher_type, mc_samples, kfac_approx)
+            torch.manual_seed(seed + 1 + rank)
+            if self._sharded is not None:
+                total, count = _correct_sharded(
+                    sweep,
+                    self.blocks,
+                    self._sharded,
+                    fisher_type,
+                    mc_samples,
+                    kfac_approx,
+                    self.device,
+                )
+            else:
+                total, count = _correct(sweep, self.blocks, fisher_type, mc_samples, kfac_approx)
         #: what the data-set loss divides its summed terms by (`ν` for "mean", 1 for "sum")
         self.normaliser_total = sweep.total(total)
         #: the number of samples of the data set
         self.num_samples_total = count
 
     @property
+    def owners(self) -> dict[str, int] | None:
+        """On a model sharded with FSDP2: `{block name: rank holding its eigenbasis}`; else None."""
+        return None if self._sharded is None else dict(self._sharded.owner)
+
+    def _owned(self) -> list[EigenBlock]:
+        """The blocks whose eigenbases this rank holds (every block without FSDP2)."""
+        return self.blocks if self._sharded is None else self._sharded.owned()  # type: ignore
+
+    def _like(self) -> Tensor:
+        return torch.empty(0, dtype=self.dtype, device=self.device)
+
+    @property
     def corrected(self) -> dict[str, Tensor]:
-        """`{block name: corrected eigenvalues}`, `(size_G, size_A)` or `(size_B,)`."""
-        return {b.name: b.values for b in self.blocks}
+        """`{block name: corrected eigenvalues}`, `(size_G, size_A)` or `(size_B,)`.
+
+        On a model sharded with FSDP2: the blocks this rank owns (see `owners`).
+        """
+        return {b.name: b.values for b in self._owned()}
+
+    def __matmul__(self, v: Tensor) -> Tensor:
+        """The product with `v` `[P]` or `[P, K]`; on an FSDP2 model a collective of local rows.
+
+        On a model sharded with FSDP2, `v` is this rank's local shards (`[P_local]` or
+        `[P_local, K]`, as for `KFAC`) and the result this rank's rows; every rank must call it.
+        """
+        if self._sharded is None:
+            return super().__matmul__(v)
+        return sharded_matmul(self, self._sharded, v, lambda b, w: b.apply(w, b.values))
+
+    def to_scipy(self):
+        """A SciPy `LinearOperator` (refused on a model sharded with FSDP2: per-rank vectors)."""
+        if self._sharded is not None:
+            raise refuse_dense("EKFAC.to_scipy")
+        return super().to_scipy()
 
     def _matmat(self, V: Tensor) -> Tensor:
         pieces = blockwise(
@@ -631,22 +792,40 @@ class EKFAC(CurvatureOperator):
         return torch.cat(pieces, dim=1).T
 
     def to_dense(self) -> Tensor:
-        """The dense block-diagonal `[P, P]` matrix."""
+        """The dense block-diagonal `[P, P]` matrix (refused on a model sharded with FSDP2)."""
+        if self._sharded is not None:
+            raise refuse_dense("EKFAC")
         dense = [b.dense(b.values) for b in self.blocks]
         return assemble_dense(self.blocks, self.names, self.numels, dense)
 
     def diagonal(self) -> Tensor:
-        """The diagonal, `(Q_G∘Q_G) Λ* (Q_A∘Q_A)ᵀ` per block."""
+        """The diagonal, `(Q_G∘Q_G) Λ* (Q_A∘Q_A)ᵀ` per block (FSDP2: this rank's rows)."""
+        if self._sharded is not None:
+            return sharded_diagonal(self._sharded, lambda b: b.diagonal(b.values), self._like())
         diags = [b.diagonal(b.values) for b in self.blocks]
         return assemble_diagonal(self.blocks, self.names, self.numels, diags)
 
     def trace(self) -> Tensor:
-        """The trace: the sum of the corrected eigenvalues (equal to the curvature's trace)."""
+        """The trace: the sum of the corrected eigenvalues (equal to the curvature's trace).
+
+        On a model sharded with FSDP2: the whole operator's, on every rank (a collective).
+        """
+        if self._sharded is not None:
+            return self._sharded.total(
+                lambda: sum(float(b.values.sum()) for b in self._owned()), "sum the trace"
+            ).to(self.dtype)
         return sum(b.values.sum() for b in self.blocks)
 
     def eigenvalues(self) -> Tensor:
-        """All P corrected eigenvalues, in ascending order."""
-        return torch.cat([b.values.flatten() for b in self.blocks]).sort().values
+        """All P corrected eigenvalues, in ascending order.
+
+        On a model sharded with FSDP2: those of the blocks this rank owns (`owners`); the
+        ranks' results together are the whole spectrum. Not a collective.
+        """
+        owned = self._owned()
+        if not owned:
+            return self._like()
+        return torch.cat([b.values.flatten() for b in owned]).sort().values
 
     def inverse(self, damping: float | Mapping[str, float] = 0.0) -> EKFACInverse:
         """`(E + λI)⁻¹`: `Q (Λ* + λ)⁻¹ Qᵀ` per block.
@@ -661,8 +840,15 @@ class EKFAC(CurvatureOperator):
         return EKFACInverse(self, _per_block(damping, [b.name for b in self.blocks]))
 
     def logdet(self, damping: float | Mapping[str, float] = 0.0) -> Tensor:
-        """`log det(E + λI) = Σ log(Λ* + λ)` (-inf if singular)."""
+        """`log det(E + λI) = Σ log(Λ* + λ)` (-inf if singular; FSDP2: a collective)."""
         per_block = _per_block(damping, [b.name for b in self.blocks])
+        if self._sharded is not None:
+            return self._sharded.total(
+                lambda: sum(
+                    float((b.values + per_block[b.name]).log().sum()) for b in self._owned()
+                ),
+                "sum the log-determinant",
+            ).to(self.dtype)
         return sum((b.values + per_block[b.name]).log().sum() for b in self.blocks)
 
 
@@ -674,14 +860,50 @@ class EKFACInverse(CurvatureOperator):
         self.ekfac = ekfac
         self.damping = damping
 
+    def _block(self, b: EigenBlock, v: Tensor) -> Tensor:
+        return b.apply(v, 1 / (b.values + self.damping[b.name]))
+
     def _matmat(self, V: Tensor) -> Tensor:
-        pieces = blockwise(
-            self.ekfac.blocks,
-            self.names,
-            self.split(V),
-            lambda b, v: b.apply(v, 1 / (b.values + self.damping[b.name])),
-        )
+        pieces = blockwise(self.ekfac.blocks, self.names, self.split(V), self._block)
         return torch.cat(pieces, dim=1).T
+
+    def __matmul__(self, v: Tensor) -> Tensor:
+        """The product with `v`; on an FSDP2 model a collective of local rows (see `EKFAC`)."""
+        if self.ekfac._sharded is None:
+            return super().__matmul__(v)
+        return sharded_matmul(self, self.ekfac._sharded, v, self._block)
+
+    def to_dense(self) -> Tensor:
+        """The dense `[P, P]` inverse (refused on a model sharded with FSDP2)."""
+        if self.ekfac._sharded is not None:
+            raise refuse_dense("EKFACInverse")
+        return super().to_dense()
+
+    def to_scipy(self):
+        """A SciPy `LinearOperator` (refused on a model sharded with FSDP2: per-rank vectors)."""
+        if self.ekfac._sharded is not None:
+            raise refuse_dense("EKFACInverse.to_scipy")
+        return super().to_scipy()
+
+    def diagonal(self) -> Tensor:
+        """The diagonal, `(Q_G∘Q_G) (Λ* + λ)⁻¹ (Q_A∘Q_A)ᵀ` per block (FSDP2: this rank's rows)."""
+        sharded = self.ekfac._sharded
+        if sharded is None:
+            return super().diagonal()
+        inverse = lambda b: b.diagonal(1 / (b.values + self.damping[b.name]))  # noqa: E731
+        return sharded_diagonal(sharded, inverse, self.ekfac._like())
+
+    def trace(self) -> Tensor:
+        """The trace `Σ (Λ* + λ)⁻¹` (FSDP2: the whole matrix's on every rank; a collective)."""
+        sharded = self.ekfac._sharded
+        if sharded is None:
+            return super().trace()
+        return sharded.total(
+            lambda: sum(
+                float((1 / (b.values + self.damping[b.name])).sum()) for b in self.ekfac._owned()
+            ),
+            "sum the inverse's trace",
+        ).to(self.dtype)
 
     def logdet(self) -> Tensor:
         """`log det((E + λI)⁻¹) = −log det(E + λI)`."""

@@ -458,7 +458,6 @@ def fully_sharded(rank: int, world: int) -> None:
             "distributed=False",
             lambda: accumulate(model, lossfunc, mine, DiagGGNExact(), distributed=False),
         ),
-        (NotImplementedError, "eigenbases", lambda: EKFAC(model, lossfunc, mine)),
         (NotImplementedError, "influence.fit", lambda: fit(model, lossfunc, mine, "diagonal")),
         (
             NotImplementedError,

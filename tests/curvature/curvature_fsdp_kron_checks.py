@@ -16,7 +16,7 @@ from curvature_distributed_checks import FSDP_SHARDS, close, fsdp_model, fsdp_sh
 from distributed_checks import run_checks
 
 from backpack import distributed
-from backpack.curvature import KFAC, accumulate, eigvalsh, hutchinson_trace
+from backpack.curvature import EKFAC, KFAC, accumulate, eigvalsh, hutchinson_trace
 from backpack.extensions import KFAC as KFACExtension
 from backpack.extensions import KFLR, DiagGGNExact
 
@@ -220,6 +220,97 @@ def kfac_errors(rank: int, world: int) -> None:
     assert out.shape == (size,) and torch.isfinite(out).all()
 
 
+def ekfac_operator_case(name: str, reduction: str, nested: bool, **options):
+    """EKFAC on FSDP2: products, the damped inverse, logdet, trace, diagonal, eigenvalues and
+    the corrected eigenvalues (on their owners) equal one process's over all data."""
+
+    def check(rank: int, world: int) -> None:
+        problem, mine, everything, _, _ = fsdp_shards(name, rank, world)
+        model, ref = fsdp_model(problem, nested), problem.model()
+        lossfunc = problem.make_loss(reduction)
+        compare_ekfac(model, ref, lossfunc, mine, everything, rank, world, **options)
+
+    return check
+
+
+def compare_ekfac(model, ref, lossfunc, mine, everything, rank: int, world: int, **options):
+    """Every result of EKFAC on the FSDP2 `model` (this rank's data `mine`) equals one process's
+    on the unsharded copy `ref` over all data."""
+    op = EKFAC(model, lossfunc, mine, **options)
+    expected = EKFAC(ref, lossfunc, everything, distributed=False, **options)
+    assert op.num_samples_total == expected.num_samples_total
+    close(torch.tensor(op.normaliser_total), torch.tensor(expected.normaliser_total), "ν")
+    size = sum(p.to_local().numel() for p in model.parameters())
+    assert op.shape == (size, size), (op.shape, size)
+    assert op.owners == op.kfac.owners
+    for block, values in op.corrected.items():
+        assert op.owners[block] == rank
+        close(values, expected.corrected[block], f"corrected eigenvalues of {block}")
+    held = sum(v.numel() for v in op.corrected.values())
+    assert held < sum(v.numel() for v in expected.corrected.values()) or world == 1
+    g = torch.Generator().manual_seed(7)
+    V = torch.randn(expected.shape[0], 3, generator=g, dtype=torch.float64)
+    local = local_vector(model, V)
+    close(op @ local, local_vector(model, expected @ V), "E @ V")
+    close(op @ local[:, 0], local_vector(model, expected @ V[:, 0]), "E @ v")
+    damping = {b: 0.1 + 0.01 * i for i, b in enumerate(op.owners)}
+    for lam in (0.1, damping):
+        inv, inv_ref = op.inverse(lam), expected.inverse(lam)
+        close(inv @ local, local_vector(model, inv_ref @ V), "(E + λI)⁻¹ @ V")
+        close(inv.logdet(), inv_ref.logdet(), "inverse logdet")
+        close(inv.diagonal(), local_vector(model, inv_ref.diagonal()), "inverse diagonal")
+        close(inv.trace(), inv_ref.trace(), "inverse trace")
+        close(op.logdet(lam), expected.logdet(lam), "logdet")
+    close(op.trace(), expected.trace(), "trace")
+    close(op.diagonal(), local_vector(model, expected.diagonal()), "diagonal")
+    spectra = [None] * world
+    dist.all_gather_object(spectra, op.eigenvalues())
+    close(torch.cat(spectra).sort().values, expected.eigenvalues(), "eigenvalues")
+    _expect_everywhere(op.to_dense, NotImplementedError, "to_dense")
+    _expect_everywhere(op.to_scipy, NotImplementedError, "to_scipy")
+    _expect_everywhere(op.inverse(0.1).to_dense, NotImplementedError, "to_dense")
+    # the estimators sum their inner products over the ranks: one process's numbers
+    close(hutchinson_trace(op, 4, seed=2), hutchinson_trace(expected, 4, seed=2), "hutchinson")
+    close(eigvalsh(op, k=2, seed=1), eigvalsh(expected, k=2, seed=1), "eigvalsh")
+
+
+def ekfac_tokens(rank: int, world: int) -> None:
+    """Linear layers over token positions ([N, T, d] inputs, per-sample gradients summed over
+    positions), per-layer and root-only sharding, both reductions, folded biases."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    class Tokens(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(4)
+            self.lin1, self.lin2 = nn.Linear(4, 5), nn.Linear(5, 3)
+
+        def forward(self, x):
+            return self.lin2(torch.tanh(self.lin1(x))).reshape(-1, 3)
+
+    g = torch.Generator().manual_seed(6)
+    sizes = [s for shard in FSDP_SHARDS[world] for s in shard]
+    everything = [
+        (
+            torch.randn(n, 3, 4, generator=g, dtype=torch.float64),
+            torch.randint(0, 3, (n * 3,), generator=g),
+        )
+        for n in sizes
+    ]
+    per_rank = len(FSDP_SHARDS[world][0])
+    mine = everything[rank * per_rank : (rank + 1) * per_rank]
+    for nested, reduction, fold in ((True, "mean", False), (False, "sum", True)):
+        model, ref = Tokens().double(), Tokens().double()
+        if nested:
+            fully_shard(model.lin1)
+            fully_shard(model.lin2)
+        fully_shard(model)
+        lossfunc = nn.CrossEntropyLoss(reduction=reduction)
+        options = {"separate_weight_and_bias": not fold}
+        compare_ekfac(model, ref, lossfunc, mine, everything, rank, world, **options)
+
+
 MAIN: list[tuple[str, Callable]] = [
     ("kron-mlp_ce-mean-nested", accumulate_kron_case("mlp_ce", "mean", nested=True)),
     ("kron-mlp_mse-sum", accumulate_kron_case("mlp_mse", "sum", nested=False)),
@@ -242,7 +333,103 @@ MAIN: list[tuple[str, Callable]] = [
     ("kfac-last-dim", kfac_last_dim),
     ("kfac-errors", kfac_errors),
 ]
-SCENARIOS = {"main": MAIN}
+
+
+def ekfac_refusals(rank: int, world: int) -> None:
+    """What EKFAC refuses on FSDP2 models, on every rank; Monte-Carlo draws; the eigenbases a
+    rank holds during the correction sweep (one layer's besides its own)."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from backpack.curvature import _fsdp_eigen
+
+    supported = "supports blocks of nn.Linear layers and torch's convolutions"
+    # an embedding: its corrected eigenvalues would need per-sample rows
+    problem, mine, _, _, _ = fsdp_shards("token_ce", rank, world)
+    model = fsdp_model(problem, nested=True)
+    run = lambda: EKFAC(model, problem.make_loss("sum"), mine)  # noqa: E731
+    _expect_everywhere(run, NotImplementedError, "'emb.weight'")
+    _expect_everywhere(run, NotImplementedError, supported)
+
+    class Outside(nn.Module):
+        def __init__(self, twice: bool) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 5)
+            self.c = nn.Linear(5, 3)
+            self.twice = twice
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            if self.twice:  # b called twice
+                return self.c(self.b(torch.tanh(self.b(h))))
+            return self.c(self.b(h)) + 0.1 * h @ self.c.weight.T  # outside c.s call
+
+    problem, mine, _, _, _ = fsdp_shards("mlp_ce", rank, world)
+    for twice in (False, True):
+        model = Outside(twice).double()
+        fully_shard(model)
+        run = lambda model=model: EKFAC(model, problem.make_loss("mean"), mine)  # noqa: E731
+        _expect_everywhere(run, NotImplementedError, "'b.weight'" if twice else "'c.weight'")
+    # FSDP2's mixed precision: the layers compute in float32, the factors are float64
+    model = fsdp_model(problem, nested=True, param_dtype=torch.float32)
+    run = lambda: EKFAC(model, problem.make_loss("mean"), mine)  # noqa: E731
+    _expect_everywhere(run, NotImplementedError, "mixed precision")
+    # the eigenbases a rank holds while the correction sweep runs
+    model = fsdp_model(problem, nested=True)
+    held, instances, fetch = [], [], _fsdp_eigen.JustInTime.fetch
+
+    def counting(self, module):
+        fetch(self, module)
+        instances.append(self)
+        foreign = [
+            m
+            for m, parts in self.parts.items()
+            if any(o != self.me and getattr(self.states[m], f[0]) is not None for _, o, f in parts)
+        ]
+        held.append(len(foreign))
+
+    _fsdp_eigen.JustInTime.fetch = counting
+    try:
+        op = EKFAC(model, problem.make_loss("mean"), mine)
+    finally:
+        _fsdp_eigen.JustInTime.fetch = fetch
+    assert held and max(held) <= 1, held
+    # one broadcast per layer's block and batch (none in backpack's propagation pass)
+    lending = instances[0]
+    parts = sum(len(p) for p in lending.parts.values())
+    assert lending.broadcasts == len(mine) * parts, (lending.broadcasts, len(mine), parts)
+    for b in op.blocks:
+        assert all(v.is_meta for v in b.vectors) == (op.owners[b.name] != rank), b.name
+    # Monte-Carlo: each rank draws for its own samples
+    mc = EKFAC(model, problem.make_loss("mean"), mine, fisher_type="mc", mc_samples=2)
+    out = mc.inverse(0.1) @ torch.ones(op.shape[0], 2, dtype=torch.float64)
+    assert out.shape == (op.shape[0], 2) and torch.isfinite(out).all()
+    assert torch.isfinite(mc.logdet(0.1)) and mc.trace() > 0
+
+
+EKFAC_CASES: list[tuple[str, Callable]] = [
+    ("ekfac-mlp_ce-mean-nested", ekfac_operator_case("mlp_ce", "mean", nested=True)),
+    ("ekfac-mlp_mse-sum", ekfac_operator_case("mlp_mse", "sum", nested=False)),
+    ("ekfac-cnn_ce-mean-nested", ekfac_operator_case("cnn_ce", "mean", nested=True)),
+    ("ekfac-cnn_ce-sum", ekfac_operator_case("cnn_ce", "sum", nested=False)),
+    (
+        "ekfac-folded-mlp_ce",
+        ekfac_operator_case("mlp_ce", "mean", nested=True, separate_weight_and_bias=False),
+    ),
+    (
+        "ekfac-folded-cnn_ce",
+        ekfac_operator_case("cnn_ce", "sum", nested=False, separate_weight_and_bias=False),
+    ),
+    (
+        "ekfac-empirical",
+        ekfac_operator_case("mlp_ce", "mean", nested=True, fisher_type="empirical"),
+    ),
+    ("ekfac-reduce", ekfac_operator_case("cnn_ce", "mean", nested=True, kfac_approx="reduce")),
+    ("ekfac-tokens", ekfac_tokens),
+    ("ekfac-refusals", ekfac_refusals),
+]
+SCENARIOS = {"main": MAIN, "ekfac": EKFAC_CASES}
 
 
 def worker(rank: int, world: int, port: int, scenario: str, outdir: str) -> None:

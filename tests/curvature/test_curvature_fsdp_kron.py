@@ -24,6 +24,14 @@ def test_fsdp_kronecker(world, tmp_path):
     assert_passed(spawn_workers(worker, ("main",), names, world, tmp_path, 240.0))
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp_ekfac(world, tmp_path):
+    """EKFAC's corrected eigenvalues on their owners and every result equal one process's."""
+    names = [name for name, _ in curvature_fsdp_kron_checks.SCENARIOS["ekfac"]]
+    worker = curvature_fsdp_kron_checks.worker
+    assert_passed(spawn_workers(worker, ("ekfac",), names, world, tmp_path, 240.0))
+
+
 def test_assign_owners_balances_bytes():
     """Largest first to the least loaded rank: deterministic, every rank within one block."""
     sizes = {"a": 10, "b": 40, "c": 25, "d": 25, "e": 5, "f": 1}
