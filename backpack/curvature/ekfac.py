@@ -379,6 +379,38 @@ def _frozen(params: list[Tensor]):
             p.requires_grad_(True)
 
 
+def _eigen_states(targets: Mapping[Any, tuple[EigenBlock, EigenBlock | None]], columns: int):
+    """`{module: EigenState}`: the eigenbases each swept layer's lent rule rotates into."""
+    return {
+        module: EigenState(
+            *weight.vectors,
+            bias.vectors[0] if bias is not None else None,
+            columns,
+            fold=weight.bias is not None,
+        )
+        for module, (weight, bias) in targets.items()
+    }
+
+
+def _diagonal_extension(fisher_type: str, mc_samples: int) -> Any:
+    """The diagonal extension whose sweep in the eigenbases gives the corrected eigenvalues."""
+    if fisher_type == "type-2":
+        return DiagGGNExact()
+    if fisher_type == "mc":
+        return DiagGGNMC(mc_samples=mc_samples)
+    return SumGradSquared()
+
+
+def _set_corrected(block: EigenBlock, diagonal: Mapping[str, Tensor], scale: float) -> None:
+    """`block.values` from the swept diagonal (a folded bias: the last input column)."""
+    values = diagonal[block.name]
+    if block.bias is not None:
+        values = torch.cat(
+            [values.reshape(block.rows, -1), diagonal[block.bias].reshape(block.rows, 1)], dim=1
+        )
+    block.values = values.reshape(block.values.shape) * scale
+
+
 def _correct(
     sweep: Sweep, blocks: list[EigenBlock], fisher_type: str, mc_samples: int, kfac_approx: str
 ) -> tuple[float, int]:
@@ -417,15 +449,7 @@ def _correct(
             agreed = _dist.all_sum(group, [], [float(x) for x in ok], None, "EKFAC")
             ok = [a == _dist.world_size(group) for a in agreed]
         targets = {m: pair for (m, pair), keep in zip(targets.items(), ok) if keep}
-    states = {
-        module: EigenState(
-            *weight.vectors,
-            bias.vectors[0] if bias is not None else None,
-            columns,
-            fold=weight.bias is not None,
-        )
-        for module, (weight, bias) in targets.items()
-    }
+    states = _eigen_states(targets, columns)
     swept: dict[str, EigenBlock] = {}
     for weight, bias in targets.values():
         swept[weight.name] = weight
@@ -436,12 +460,7 @@ def _correct(
     total, count = 0.0, 0
     if swept:
         others = [p for name, p in params.items() if name not in covered]
-        if fisher_type == "type-2":
-            extension: Any = DiagGGNExact()
-        elif fisher_type == "mc":
-            extension = DiagGGNMC(mc_samples=mc_samples)
-        else:
-            extension = SumGradSquared()
+        extension = _diagonal_extension(fisher_type, mc_samples)
         try:
             with _frozen(others), eigen_rules(states):
                 result = accumulate_over(sweep, extension)
@@ -454,14 +473,8 @@ def _correct(
         diagonal = result.quantity(extension.savefield)
         # SumGradSquared holds Σ_n (∇ℓ_n / ν)²: one factor ν back to R Σ_n (qᵀ∇ℓ_n)²
         scale = result.normaliser if fisher_type == "empirical" else 1.0
-        for name, block in swept.items():
-            values = diagonal[name]
-            if block.bias is not None:  # the folded bias: the last input column
-                values = torch.cat(
-                    [values.reshape(block.rows, -1), diagonal[block.bias].reshape(block.rows, 1)],
-                    dim=1,
-                )
-            block.values = values.reshape(block.values.shape) * scale
+        for block in swept.values():
+            _set_corrected(block, diagonal, scale)
         total, count = result.total, result.num_samples
     if not rest:
         return total, count
@@ -555,21 +568,8 @@ def _correct_sharded(
             "factors' (FSDP2's mixed precision) (checked on every rank's first batch)",
         )
     columns = {"type-2": width, "mc": mc_samples, "empirical": 1}[fisher_type]
-    states = {
-        module: EigenState(
-            *weight.vectors,
-            bias.vectors[0] if bias is not None else None,
-            columns,
-            fold=weight.bias is not None,
-        )
-        for module, (weight, bias) in targets.items()
-    }
-    if fisher_type == "type-2":
-        extension: Any = DiagGGNExact()
-    elif fisher_type == "mc":
-        extension = DiagGGNMC(mc_samples=mc_samples)
-    else:
-        extension = SumGradSquared()
+    states = _eigen_states(targets, columns)
+    extension = _diagonal_extension(fisher_type, mc_samples)
     try:
         diagonal, result = sharded_correction(sweep, routing, targets, states, extension, device)
     except NotImplementedError as err:
@@ -583,13 +583,7 @@ def _correct_sharded(
         for block in (weight, bias):
             if block is None or routing.owner[block.name] != routing.me:
                 continue
-            values = diagonal[block.name]
-            if block.bias is not None:  # the folded bias: the last input column
-                values = torch.cat(
-                    [values.reshape(block.rows, -1), diagonal[block.bias].reshape(block.rows, 1)],
-                    dim=1,
-                )
-            block.values = values.reshape(block.values.shape) * scale
+            _set_corrected(block, diagonal, scale)
     return result.total, result.num_samples
 
 
