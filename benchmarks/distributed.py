@@ -43,7 +43,8 @@ DEFAULT_PROBLEMS = ("mlp", "3c3d")
 DEFAULT_EXTENSIONS = ("BatchGrad", "SumGradSquared", "Variance", "DiagGGNExact", "KFLR")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this machine now (for a gloo rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -231,7 +232,7 @@ def run_distributed(args: argparse.Namespace) -> int:
         os.environ["OMP_NUM_THREADS"] = str(cfg["threads"])
         try:
             mp.start_processes(
-                _worker, args=(world, _free_port(), cfg, out), nprocs=world, start_method="spawn"
+                _worker, args=(world, free_port(), cfg, out), nprocs=world, start_method="spawn"
             )
         finally:
             if env is None:

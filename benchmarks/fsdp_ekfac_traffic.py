@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
-from benchmarks.fsdp_kron_memory import WIDTHS, _bytes, _model
+from benchmarks.fsdp_kron_memory import WIDTHS, _bytes, _model, spawn_rows
 
 #: samples per batch and batches per rank
 BATCH, BATCHES = 32, 4
@@ -96,12 +93,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|")
     for world in args.ranks:
-        with tempfile.TemporaryDirectory() as out:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            mp.start_processes(_worker, (world, port, out), nprocs=world, start_method="spawn")
-            rows = [Path(out, f"{r}.txt").read_text().split() for r in range(world)]
+        rows = spawn_rows(_worker, world)
         cols = [" / ".join(r[i] for r in rows) for i in range(2)]
         print(f"| {world} | {cols[0]} | {cols[1]} | {rows[0][2]} | {rows[0][3]} |")
 

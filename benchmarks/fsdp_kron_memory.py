@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import tempfile
 from pathlib import Path
 
@@ -21,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+from benchmarks.distributed import free_port
 
 #: the MLP's widths: five Linear layers of different sizes
 WIDTHS = (64, 256, 192, 256, 128, 10)
@@ -78,6 +79,17 @@ def _whole() -> int:
     return sum((b * b + a * a + b * b) * 4 for a, b in zip(WIDTHS[:-1], WIDTHS[1:]))
 
 
+def spawn_rows(worker, world: int) -> list[list[str]]:
+    """Run `worker(rank, world, port, out)` on `world` gloo processes; each rank's words.
+
+    Rank r writes its numbers, separated by spaces, to `out/<r>.txt`.
+    """
+    with tempfile.TemporaryDirectory() as out:
+        port = free_port()
+        mp.start_processes(worker, (world, port, out), nprocs=world, start_method="spawn")
+        return [Path(out, f"{r}.txt").read_text().split() for r in range(world)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
@@ -89,12 +101,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|")
     for world in args.ranks:
-        with tempfile.TemporaryDirectory() as out:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            mp.start_processes(_worker, (world, port, out), nprocs=world, start_method="spawn")
-            rows = [Path(out, f"{r}.txt").read_text().split() for r in range(world)]
+        rows = spawn_rows(_worker, world)
         factors = " / ".join(r[0] for r in rows)
         both = " / ".join(str(int(r[0]) + int(r[1])) for r in rows)
         blocks = " / ".join(r[2] for r in rows)

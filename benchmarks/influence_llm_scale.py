@@ -25,7 +25,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import resource
-import socket
 import sys
 import tempfile
 import time
@@ -37,6 +36,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+from benchmarks.distributed import free_port
 from benchmarks.influence_vs_kronfluence import GPT, KRONFLUENCE, Kronfluence, batches, deviation
 from benchmarks.influence_vs_kronfluence import rel as relative_error
 from benchmarks.report import finish, report_parser
@@ -139,18 +139,12 @@ def _run(rank: int, kind: str, world: int, port: int, cfg: dict[str, Any], out: 
             dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(kind: str, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """Run `kind` ("backpack" or "kronfluence") on `world` fresh processes; rank 0's result."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "result.pt")
         mp.start_processes(
-            _run, args=(kind, world, _free_port(), cfg, out), nprocs=world, start_method="spawn"
+            _run, args=(kind, world, free_port(), cfg, out), nprocs=world, start_method="spawn"
         )
         return torch.load(out, weights_only=True)
 
