@@ -356,8 +356,9 @@ def fully_sharded_case(name: str, reduction: str, nested: bool):
     return check
 
 
-def sharded_last_dim(rank: int, world: int) -> None:
-    """shard_placement_fn=Shard(last dimension): each rank's chunk along that dimension."""
+def last_dim_problem(rank: int, world: int):
+    """An MLP sharded along each parameter's last dimension (`shard_placement_fn`), its unsharded
+    twin, this rank's batches, all batches and the data generator (state after the data)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
@@ -380,6 +381,12 @@ def sharded_last_dim(rank: int, world: int) -> None:
     last = lambda p: Shard(p.dim() - 1)  # noqa: E731
     for module in (model[0], model[2], model):
         fully_shard(module, shard_placement_fn=last)
+    return model, ref, mine, everything, g
+
+
+def sharded_last_dim(rank: int, world: int) -> None:
+    """shard_placement_fn=Shard(last dimension): each rank's chunk along that dimension."""
+    model, ref, mine, everything, _ = last_dim_problem(rank, world)
     lossfunc = nn.CrossEntropyLoss()
     result = accumulate(model, lossfunc, mine, [DiagGGNExact(), Variance()])
     accumulate(ref, lossfunc, everything, [DiagGGNExact(), Variance()], distributed=False)

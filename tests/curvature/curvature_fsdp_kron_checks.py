@@ -12,7 +12,14 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from curvature_distributed_checks import FSDP_SHARDS, close, fsdp_model, fsdp_shards, own_chunk
+from curvature_distributed_checks import (
+    FSDP_SHARDS,
+    close,
+    fsdp_model,
+    fsdp_shards,
+    last_dim_problem,
+    own_chunk,
+)
 from distributed_checks import run_checks
 
 from backpack import distributed
@@ -137,28 +144,8 @@ def kfac_operator_case(name: str, reduction: str, nested: bool, **options):
 def kfac_last_dim(rank: int, world: int) -> None:
     """shard_placement_fn=Shard(last dimension): products and diagonals of those chunks."""
     from torch import nn
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Shard
 
-    def make():
-        torch.manual_seed(3)
-        return nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3)).double()
-
-    g = torch.Generator().manual_seed(5)
-    sizes = [s for shard in FSDP_SHARDS[world] for s in shard]
-    everything = [
-        (
-            torch.randn(n, 6, generator=g, dtype=torch.float64),
-            torch.randint(0, 3, (n,), generator=g),
-        )
-        for n in sizes
-    ]
-    per_rank = len(FSDP_SHARDS[world][0])
-    mine = everything[rank * per_rank : (rank + 1) * per_rank]
-    model, ref = make(), make()
-    last = lambda p: Shard(p.dim() - 1)  # noqa: E731
-    for module in (model[0], model[2], model):
-        fully_shard(module, shard_placement_fn=last)
+    model, ref, mine, everything, g = last_dim_problem(rank, world)
     lossfunc = nn.CrossEntropyLoss()
     op = KFAC(model, lossfunc, mine, separate_weight_and_bias=False)
     expected = KFAC(ref, lossfunc, everything, distributed=False, separate_weight_and_bias=False)
