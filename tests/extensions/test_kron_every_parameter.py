@@ -249,3 +249,23 @@ def test_large_vocabularies_are_decided_by_free_memory(monkeypatch):
     monkeypatch.setattr(embedding, "MAX_KRON_VOCABULARY", 6)
     with pytest.raises(NotImplementedError, match="MAX_KRON_VOCABULARY = 6"):
         factors()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nearest_kronecker_in_low_precision_factors(dtype):
+    """Factors of float32 / bf16 models (weights or autocast): combined in their own dtype from
+    float64 Gram matrices, the best rank-one rearrangement to that dtype's rounding."""
+    torch.manual_seed(0)
+    pairs64 = []
+    for _ in range(2):
+        r, c = torch.randn(5, 5, dtype=DT), torch.randn(3, 3, dtype=DT)
+        pairs64.append([r @ r.T, c @ c.T])
+    pairs = [[r.to(dtype), c.to(dtype)] for r, c in pairs64]
+    r, c = curvature.nearest_kronecker(pairs)
+    assert r.dtype == dtype and c.dtype == dtype
+    total = sum(torch.kron(r.double(), c.double()) for r, c in pairs)
+    u, s, vh = torch.linalg.svd(_rearranged(total, (5, 5), (3, 3)))
+    best = s[0] * torch.outer(u[:, 0], vh[0])
+    got = torch.outer(r.double().flatten(), c.double().flatten())
+    tol = 10 * torch.finfo(dtype).eps
+    assert (got - best).norm() / best.norm() < tol
