@@ -223,7 +223,7 @@ def check_kinds(kinds: dict[str, Kind], callback: Any) -> None:
         )
 
 
-def _gather(group: Any, values: list[float], what: str) -> Tensor:
+def _gather(group: Any, values: list[float], what: str, tool: str = "accumulate") -> Tensor:
     """All-gather a few float64 numbers per rank: a `[world, len(values)]` table."""
     device = _dist._header_device(group)
     own = torch.tensor(values, dtype=torch.float64, device=device)
@@ -232,21 +232,22 @@ def _gather(group: Any, values: list[float], what: str) -> Tensor:
         dist.all_gather(table, own, group=group)
     except Exception as err:  # pragma: no cover - a rank died or timed out
         raise RuntimeError(
-            f"accumulate (FSDP2) could not {what}: a rank did not get there within "
+            f"{tool} (FSDP2) could not {what}: a rank did not get there within "
             f"{_dist.TIMEOUT_S:g} s (backpack.distributed.TIMEOUT_S)."
         ) from err
     return torch.stack(table).cpu()
 
 
-def _agreed(table: Tensor, error: BaseException | None, what: str) -> None:
+def _agreed(
+    table: Tensor, error: BaseException | None, what: str, tool: str = "accumulate"
+) -> None:
     """Raise this rank's error, or one naming the first rank that failed (column 0)."""
     if error is not None:
         raise error
     bad = [r for r, f in enumerate(table[:, 0].tolist()) if f]
     if bad:
         raise RuntimeError(
-            f"accumulate (FSDP2): rank {bad[0]} failed {what} (see its error); every rank stops "
-            "here."
+            f"{tool} (FSDP2): rank {bad[0]} failed {what} (see its error); every rank stops here."
         )
 
 
@@ -578,3 +579,82 @@ def _add(
         spread = (p["sq"] - mean.square() * n).clamp_min(0)
         var = (p["var"] + spread) / n
         states[f][name] = kinds[f].merge(states[f][name], (n, mean, var))
+
+
+def landing(model: nn.Module) -> Any:
+    """`p -> (holders...)`: where a backward's quantities of each parameter of `model` land.
+
+    On an FSDP2 model a backward in `backpack(...)` writes to FSDP's unsharded parameter (or,
+    for a rule that ran before FSDP gathered the module again, to the sharded one); elsewhere
+    to the parameter itself. Call it after a forward (FSDP2 creates the unsharded ones then).
+    """
+    fsdp = _fsdp_params(model)
+
+    def holders(p: Tensor) -> tuple[Tensor, ...]:
+        unsharded = getattr(fsdp.get(id(p)), "_unsharded_param", None)
+        return (p,) if unsharded is None else (unsharded, p)
+
+    return holders
+
+
+def plain_zeros(p: Tensor, *leading: int) -> Tensor:
+    """Zeros `[*leading, *p.shape]` of `p`'s dtype on its device (a plain tensor for DTensors)."""
+    local = p.to_local() if hasattr(p, "to_local") else p
+    return torch.zeros(*leading, *p.shape, dtype=p.dtype, device=local.device)
+
+
+def lockstep(batches: Any, what: str, key: Any = None) -> Any:
+    """The batches of this rank, each only once every rank of backpack's group has one.
+
+    FSDP2 runs collectives in every forward and backward, so the ranks must take the same number
+    of batches: before each batch the ranks agree that all (or none) have one, and that none
+    failed to read it. `key(batch) -> float`: a digest that must be equal on every rank (the
+    same data everywhere), else every rank raises.
+    """
+    group = _dist._group()
+    index = 0
+    iterator = iter(batches)
+    while True:
+        batch, error, digest_of = None, None, 0.0
+        try:
+            batch = next(iterator)
+            digest_of = float(key(batch)) if key is not None else 0.0
+        except StopIteration:
+            pass
+        except Exception as err:  # noqa: BLE001 - agreed with the other ranks first
+            error = err
+        flags = [float(error is not None), float(batch is not None), digest_of]
+        table = _gather(group, flags, "agree on a batch", what)
+        _agreed(table, error, f"before batch {index}", what)
+        has = table[:, 1].tolist()
+        if not any(has):
+            return
+        if not all(has):
+            raise RuntimeError(
+                f"{what} (FSDP2): the ranks have different numbers of batches: ranks "
+                f"{[r for r, h in enumerate(has) if h]} have a batch {index}, ranks "
+                f"{[r for r, h in enumerate(has) if not h]} have none. FSDP2 runs collectives in "
+                "every forward and backward, so every rank must take the same number of "
+                "batches (their sizes may differ)."
+            )
+        if key is not None and len(set(table[:, 2].tolist())) > 1:
+            raise RuntimeError(
+                f"{what} (FSDP2): the ranks' batch {index} differ; this data must be the same "
+                "on every rank (the query examples of a sharded model are scored by all ranks)."
+            )
+        yield batch
+        index += 1
+
+
+def agree_done(error: BaseException | None, what: str) -> None:
+    """After a rank's part of a batch: raise its error, or on every rank one naming who failed."""
+    table = _gather(_dist._group(), [float(error is not None)], "agree on a batch", what)
+    _agreed(table, error, "in a batch", what)
+
+
+def reshard(model: nn.Module) -> None:
+    """Free the parameters FSDP2 gathered in a forward without a backward (the root keeps them)."""
+    for module in model.modules():
+        release = getattr(module, "reshard", None)
+        if callable(release) and type(module).__name__.startswith("FSDP"):
+            release()

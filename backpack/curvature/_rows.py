@@ -19,7 +19,8 @@ import torch
 from torch import Tensor
 
 from backpack.api import backpack
-from backpack.curvature._data import Batch
+from backpack.curvature._data import Batch, first_tensor
+from backpack.curvature._fsdp import agree_done, landing, lockstep, plain_zeros
 from backpack.curvature._sweep import Sweep
 from backpack.extensions import BatchGrad, SqrtGGNExact, SqrtGGNMC
 
@@ -41,7 +42,6 @@ def row_batches(
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}.")
     sweep.extend()
-    model, lossfunc = sweep.model, sweep.lossfunc
     params = sweep.trainable()
     if kind == "grad":
         extension, field = BatchGrad(), "grad_batch"
@@ -49,40 +49,63 @@ def row_batches(
         extension, field = SqrtGGNExact(), "sqrt_ggn_exact"
     else:
         extension, field = SqrtGGNMC(mc_samples=mc_samples), "sqrt_ggn_mc"
-    for batch in sweep.batches(desc):
-        with torch.enable_grad():
-            output = model(batch.X)
-            nu = sweep.nu(output, batch.y)
-            if sweep.empty(nu):
-                rows = {name: p.new_zeros(batch.num_samples, *p.shape) for name, p in params}
-                yield batch, rows, nu
-                continue
-            loss = lossfunc(output, batch.y)
-            saved = [p.grad for _, p in params]
-            for _, p in params:  # backward would add into the saved tensors in place
-                p.grad = None
-            try:
-                with backpack(extension, sync=False):
-                    loss.backward()
-            except BaseException:  # leave the parameters as they were
-                for (_, p), g in zip(params, saved):
-                    p.__dict__.pop(field, None)
-                    p.grad = g
-                raise
-        scale = sweep.scale(nu)
-        rows = {}
-        for (name, p), g in zip(params, saved):
-            value = getattr(p, field, None)
-            if value is None:
-                raise ValueError(
-                    f"Parameter {name} got no {field!r} in batch {batch.index} (does it take "
-                    "part in the loss, and is its layer supported? see the warnings)."
-                )
-            delattr(p, field)
-            p.grad = g
-            if kind == "grad":
-                rows[name] = value * scale
-            else:  # [C or M, N, *shape] -> [C·N, *shape]
-                rows[name] = value.flatten(0, 1) * scale**0.5
-        del output, loss
+    batches = sweep.batches(desc)
+    if sweep.sharded:  # FSDP2: every rank takes a batch (its collectives), rows from its own
+        batches = lockstep(batches, sweep.what)
+    for batch in batches:
+        error, rows, nu = None, {}, 0.0
+        try:
+            rows, nu = _batch_rows(sweep, params, batch, extension, field, kind)
+        except Exception as err:  # noqa: BLE001 - on FSDP2 agreed with the other ranks first
+            error = err
+        if sweep.sharded:
+            agree_done(error, sweep.what)
+        elif error is not None:
+            raise error
         yield batch, rows, nu
+
+
+def _batch_rows(sweep, params, batch, extension, field: str, kind: str):
+    """One batch of `row_batches`: `({name: rows}, ν_b)`."""
+    model, lossfunc = sweep.model, sweep.lossfunc
+    with torch.enable_grad():
+        output = model(batch.X)
+        nu = sweep.nu(output, batch.y)
+        saved = [p.grad for _, p in params]
+        if sweep.empty(nu):
+            if sweep.sharded:  # the other ranks' backwards run FSDP2's collectives: one too
+                (first_tensor(output).sum() * 0).backward()
+                for (_, p), g in zip(params, saved):
+                    p.grad = g
+            return {name: plain_zeros(p, batch.num_samples) for name, p in params}, nu
+        loss = lossfunc(output, batch.y)
+        holders = landing(model)
+        for _, p in params:  # backward would add into the saved tensors in place
+            p.grad = None
+        try:
+            with backpack(extension, sync=False):
+                loss.backward()
+        except BaseException:  # leave the parameters as they were
+            for (_, p), g in zip(params, saved):
+                for h in holders(p):
+                    h.__dict__.pop(field, None)
+                p.grad = g
+            raise
+    scale = sweep.scale(nu)
+    rows = {}
+    for (name, p), g in zip(params, saved):
+        p.grad = g
+        value = None
+        for h in holders(p):
+            found = h.__dict__.pop(field, None)
+            value = found if value is None else value
+        if value is None:
+            raise ValueError(
+                f"Parameter {name} got no {field!r} in batch {batch.index} (does it take "
+                "part in the loss, and is its layer supported? see the warnings)."
+            )
+        if kind == "grad":
+            rows[name] = value * scale
+        else:  # [C or M, N, *shape] -> [C·N, *shape]
+            rows[name] = value.flatten(0, 1) * scale**0.5
+    return rows, nu

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from backpack.influence._lowrank import LowRank
+from backpack.curvature._distributed import all_sum
+from backpack.influence._lowrank import LowRank, compress, concat, fisher_weights
 from backpack.influence._sites import Site, choose, dense
 from backpack.influence._store import ScoreChunks, batch_digest, read_scores
 
@@ -27,12 +28,27 @@ def batch_scores(
     per_token: bool,
     per_module: bool,
     length: list[int | None],
+    placement: Any = None,
 ) -> dict[str, Tensor]:
     """One training batch's scores, `{module name: ...}` (per_module) or `{"": ...}`.
 
-    `length`: the positions T seen so far (per_token), updated in place.
+    `length`: the positions T seen so far (per_token), updated in place. With a `placement`
+    (an FSDP2 fit, `_sharded`), `query` and `ghost` hold this rank's blocks only: each block's
+    are lent by its owner in turn.
     """
     totals: dict[str, Tensor] = {}
+    if placement is not None:
+        for block, names in placement.members.items():
+            mine = None
+            if placement.owns(block):
+                mine = ({n: query[n] for n in names}, {n: ghost.get(n) for n in names})
+            lent, lent_ghost = placement.lend(block, mine)
+            picked = {n: sites[n] for n in names}
+            part = batch_scores(lent, n_query, lent_ghost, picked, per_token, per_module, length)
+            del lent, lent_ghost
+            for key, value in part.items():
+                totals[key] = value if key not in totals else totals[key] + value
+        return totals
     for name, value in sites.items():
         M = query[name]
         if per_token:
@@ -63,6 +79,91 @@ def batch_scores(
         key = name.rpartition(".")[0] if per_module else ""
         totals[key] = part if key not in totals else totals[key] + part
     return totals
+
+
+def query_rows(
+    influence: Any,
+    query_data: Iterable,
+    progress: bool,
+    factored: bool,
+    rank: int | None = None,
+    norm: str = "fisher",
+) -> tuple[dict[str, Tensor | LowRank], int, dict[str, Site | None]]:
+    """Preconditioned query gradients `{name: [Q, numel]}`, Q, and the ghost factors.
+
+    The factors (for "identity" only) are those of single-call Linear-like parameters.
+    `rank`: matrix parameters' gradients truncated to that rank in the norm `norm`, batch by
+    batch (`LowRank`). On an FSDP2 fit (`influence.placement`) every rank runs the same query
+    batches and keeps the rows of its own blocks only.
+    """
+    shapes = {name: tuple(p.shape) for name, p in influence.sweep.trainable()}
+    weights = (
+        rank_weights(influence.blocks, shapes) if rank is not None and norm == "fisher" else {}
+    )
+    placement = influence.placement
+    mine = placement.owned_names() if placement is not None else set(shapes)
+    blocks = [b for b in influence.blocks or [] if b.name in mine]
+    pieces: dict[str, list[Tensor | LowRank]] = {}
+    factors: dict[str, list[Site] | None] = {}
+    n_query = 0
+    data = influence._sites(query_data, progress, False, factored, "query gradients", same=True)
+    for batch, sites in data:
+        n_query += batch.num_samples
+        sites = {name: value for name, value in sites.items() if name in mine}
+        if influence.blocks is None:  # identity
+            for name, value in sites.items():
+                pieces.setdefault(name, []).append(dense(value).reshape(batch.num_samples, -1))
+        else:
+            for block in blocks:
+                for name, value in influence._precondition_sites(sites, block).items():
+                    pieces.setdefault(name, []).append(value)
+        if rank is not None:  # this batch's rows at rank `rank`, before the next batch
+            for name, values in pieces.items():
+                values[-1] = compress(values[-1], shapes[name], rank, weights.get(name))
+        for name, value in sites.items():
+            keep = influence.strategy == "identity" and len(value) == 1 and value[0].kind == "outer"
+            if not keep:
+                factors[name] = None
+            elif factors.setdefault(name, []) is not None:
+                factors[name].append(value[0])
+        del sites
+    merged = {}
+    for name in list(pieces):  # one parameter's copy at a time
+        values = pieces.pop(name)
+        merged[name] = concat(values)
+        del values
+    ghost: dict[str, Site | None] = {}
+    for name, value in factors.items():
+        same = value is not None and len({s.positions for s in value}) == 1
+        same = same and not isinstance(merged[name], LowRank)
+        ghost[name] = (
+            Site(
+                "outer",
+                value[0].shape,
+                torch.cat([s.left for s in value]),
+                torch.cat([s.right for s in value]),
+            )
+            if same
+            else None
+        )
+    return merged, n_query, ghost
+
+
+def rank_weights(blocks: list[Any] | None, shapes: Mapping[str, tuple]) -> dict[str, Any]:
+    """`{weight name: fisher_weights}` of the blocks with Kronecker or diagonal structure.
+
+    Blocks this rank does not hold (meta placeholders of an FSDP2 fit) are left out.
+    """
+    if blocks is None:
+        return {}
+    out = {}
+    for b in blocks:
+        if b.values.device.type == "meta":
+            continue
+        found = fisher_weights(b, shapes[b.name])
+        if found is not None:
+            out[b.name] = found
+    return out
 
 
 def pair_products(
@@ -156,7 +257,10 @@ def scores_to_disk(
         for _, sites in influence._sites(data, progress, per_token, factored, "gradients"):
             i, digest_of = waiting.popleft()
             chunk = i // chunk_size
-            buffer.append(batch_scores(query, n_query, ghost, sites, per_token, per_module, length))
+            part = batch_scores(
+                query, n_query, ghost, sites, per_token, per_module, length, influence.placement
+            )
+            buffer.append(part)
             digests.append(digest_of)
             del sites
             if len(buffer) == chunk_size:
@@ -183,10 +287,17 @@ def rank_errors(
     norm = 0.0
     length: list[int | None] = [None]
     for _, sites in influence._sites(train_data, progress, False, True, "gradients"):
-        exact = batch_scores(full, n_query, ghost, sites, False, False, length)[""]
+        where = influence.placement
+        exact = batch_scores(full, n_query, ghost, sites, False, False, length, where)[""]
         norm += float(exact.double().square().sum())
         for r in ranks:
-            approx = batch_scores(low[r], n_query, {}, sites, False, False, length)[""]
+            approx = batch_scores(low[r], n_query, {}, sites, False, False, length, where)[""]
             errors[r] += float((approx - exact).double().square().sum())
         del sites
+    if influence.placement is not None:  # every rank's shard of the training set
+        what = "influence.query_rank_error"
+        sums = all_sum(
+            influence.placement.group, [], [norm, *(errors[r] for r in ranks)], None, what
+        )
+        norm, errors = sums[0], dict(zip(ranks, sums[1:]))
     return {r: (errors[r] / norm) ** 0.5 if norm > 0 else 0.0 for r in ranks}

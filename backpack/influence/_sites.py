@@ -34,10 +34,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from backpack.api import backpack
-from backpack.curvature._data import Batch
+from backpack.curvature._data import Batch, first_tensor
+from backpack.curvature._fsdp import agree_done, landing, lockstep, plain_zeros
 from backpack.curvature._sweep import Sweep
 from backpack.extensions import BatchGrad
 from backpack.extensions.firstorder import FirstOrderModuleExtension
+from backpack.influence._store import batch_digest
 from backpack.recording import describe, is_parametrized
 from backpack.rules.attention import MultiheadAttentionRule
 from backpack.rules.base import keeps_forward_of
@@ -444,13 +446,15 @@ def recorded_classes(model: nn.Module, per_token: bool) -> tuple[set[type], list
 
 
 def site_batches(
-    sweep: Sweep, classes: set[type], desc: str = "gradients"
+    sweep: Sweep, classes: set[type], desc: str = "gradients", same: bool = False
 ) -> Iterator[tuple[Batch, dict[str, list[Site]]]]:
     """Yield `(batch, {name: [Site, ...]})`: each batch's gradients of its samples' own losses.
 
     Over the `Sweep`'s data; layers of `classes` give their factors, every other parameter one
     "sample" site (backpack's `grad_batch`); all at the scale of the sample's own loss (times
-    `ν_b`).
+    `ν_b`). On a model sharded with FSDP2 the sites are whole (taken from FSDP's unsharded
+    parameters in the backward), the ranks take their batches in lockstep and with `same` the
+    batches must be equal on every rank.
 
     Raises:
         ValueError: For a parameter without gradients, or a recorded call whose samples are not
@@ -463,52 +467,75 @@ def site_batches(
     recorder = _Record()
     for cls in classes:
         extension.set_module_extension(cls, recorder, overwrite=True)
-    for batch in sweep.batches(desc):
-        n = batch.num_samples
-        with torch.enable_grad():
-            output = model(batch.X)
-            nu = sweep.nu(output, batch.y)
-            if sweep.empty(nu):
-                zeros = {
-                    name: [Site("sample", p.shape, p.new_zeros(n, *p.shape))] for name, p in params
-                }
-                yield batch, zeros
-                continue
-            loss = lossfunc(output, batch.y)
-            saved = [p.grad for _, p in params]
-            for _, p in params:
-                p.grad = None
-            try:
-                with backpack(extension, sync=False):
-                    loss.backward()
-            except BaseException:  # a refused layer: leave no sites behind for the next sweep
-                for (_, p), g in zip(params, saved):
-                    p.__dict__.pop(_FIELD, None)
-                    p.__dict__.pop("grad_batch", None)
-                    p.grad = g
-                raise
-        scale = sweep.scale(nu)
-        result: dict[str, list[Site]] = {}
-        for (name, p), g in zip(params, saved):
-            p.grad = g
-            sites = p.__dict__.pop(_FIELD, None) or []
-            value = p.__dict__.pop("grad_batch", None)
-            if value is not None:
-                sites.append(Site("sample", tuple(p.shape), value.detach()))
-            if not sites:
-                raise ValueError(
-                    f"Parameter {name} got no gradients in batch {batch.index} (does it take "
-                    "part in the loss, and is its layer supported? see the warnings)."
-                )
-            wrong = [s.num_samples for s in sites if s.num_samples != n]
-            if wrong:
-                raise ValueError(
-                    f"Parameter {name}: a module call saw {wrong[0]} samples, the batch has {n} "
-                    "(several forwards per batch?); use factored=False."
-                )
-            result[name] = [s.scaled(scale) for s in sites]
-        del output, loss
+    batches = sweep.batches(desc)
+    if sweep.sharded:
+        key = (lambda b: int(batch_digest((b.X, b.y))[:12], 16)) if same else None
+        batches = lockstep(batches, sweep.what, key)
+    for batch in batches:
+        error, result = None, {}
+        try:
+            result = _batch_sites(sweep, model, lossfunc, params, extension, batch)
+        except Exception as err:  # noqa: BLE001 - on FSDP2 agreed with the other ranks first
+            error = err
+        if sweep.sharded:
+            agree_done(error, sweep.what)
+        elif error is not None:
+            raise error
         yield batch, result
+
+
+def _batch_sites(sweep, model, lossfunc, params, extension, batch) -> dict[str, list[Site]]:
+    """One batch of `site_batches`: `{name: [Site, ...]}`."""
+    n = batch.num_samples
+    with torch.enable_grad():
+        output = model(batch.X)
+        nu = sweep.nu(output, batch.y)
+        if sweep.empty(nu):
+            if sweep.sharded:  # the other ranks' backwards run FSDP2's collectives: run one too
+                saved = [p.grad for _, p in params]
+                (first_tensor(output).sum() * 0).backward()
+                for (_, p), g in zip(params, saved):
+                    p.grad = g
+            return {name: [Site("sample", p.shape, plain_zeros(p, n))] for name, p in params}
+        loss = lossfunc(output, batch.y)
+        holders = landing(model)
+        saved = [p.grad for _, p in params]
+        for _, p in params:
+            p.grad = None
+        try:
+            with backpack(extension, sync=False):
+                loss.backward()
+        except BaseException:  # a refused layer: leave no sites behind for the next sweep
+            for (_, p), g in zip(params, saved):
+                for h in holders(p):
+                    h.__dict__.pop(_FIELD, None)
+                    h.__dict__.pop("grad_batch", None)
+                p.grad = g
+            raise
+    scale = sweep.scale(nu)
+    result: dict[str, list[Site]] = {}
+    for (name, p), g in zip(params, saved):
+        p.grad = g
+        sites, value = [], None
+        for h in holders(p):
+            sites += h.__dict__.pop(_FIELD, None) or []
+            found = h.__dict__.pop("grad_batch", None)
+            value = found if value is None else value
+        if value is not None:
+            sites.append(Site("sample", tuple(p.shape), value.detach()))
+        if not sites:
+            raise ValueError(
+                f"Parameter {name} got no gradients in batch {batch.index} (does it take "
+                "part in the loss, and is its layer supported? see the warnings)."
+            )
+        wrong = [s.num_samples for s in sites if s.num_samples != n]
+        if wrong:
+            raise ValueError(
+                f"Parameter {name}: a module call saw {wrong[0]} samples, the batch has {n} "
+                "(several forwards per batch?); use factored=False."
+            )
+        result[name] = [s.scaled(scale) for s in sites]
+    return result
 
 
 def dense(sites: list[Site], start: int = 0, stop: int | None = None) -> Tensor:

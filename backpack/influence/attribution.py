@@ -30,18 +30,27 @@ from backpack.api import disable
 from backpack.curvature._data import Normaliser, digest, first_tensor, trainable
 from backpack.curvature._distributed import (
     all_sum,
-    check_not_fully_sharded,
     guarded,
     process_group,
     rank_of,
 )
+from backpack.curvature._fsdp import _Owned, plain_zeros, reshard
+from backpack.curvature._fsdp import _reduce_scatter as reduce_onto
 from backpack.curvature._lent import kron_layer, kron_targets
 from backpack.curvature._rows import row_batches
 from backpack.curvature._sweep import Sweep
 from backpack.curvature.ekfac import EKFAC, EigenBlock, kfac_eigenblocks
 from backpack.curvature.kfac import KFAC
-from backpack.influence._lowrank import LowRank, compress, concat, fisher_weights
-from backpack.influence._scoring import batch_scores, joined, rank_errors, scores_to_disk
+from backpack.influence._lowrank import compress
+from backpack.influence._scoring import (
+    batch_scores,
+    joined,
+    query_rows,
+    rank_errors,
+    rank_weights,
+    scores_to_disk,
+)
+from backpack.influence._sharded import Placement, device_of, lent_blocks, place, placed
 from backpack.influence._sites import (
     CHUNK_ENTRIES,
     Site,
@@ -74,32 +83,37 @@ _FORMAT = 1
 
 def _diagonal_blocks(
     sweep: Sweep, fisher: str, mc_samples: int, seed: int, folded: Mapping[str, str]
-) -> tuple[list[EigenBlock], int]:
+) -> tuple[list[EigenBlock], int, Placement | None]:
     """`diag F` (the mean over the examples) per parameter, from one sweep of rows.
 
     `folded`: `{weight: bias}` whose entries share one block (and one heuristic damping).
 
     Under torch.distributed (the sweep's group), the data is this rank's shard: the sums and
-    counts of all ranks are added (one all-reduce) and sampled labels use `seed + rank`.
+    counts of all ranks are added (one all-reduce) and sampled labels use `seed + rank`. On a
+    model sharded with FSDP2 each block's sums go to its owner after every batch (`_sharded`).
     """
-    group = sweep.group
     params = sweep.trainable()
-    done, error = guarded(
-        group,
-        lambda: _diagonal_sums(sweep, fisher, mc_samples, seed + sweep.rank, params),
-        "influence.fit",
-    )
+    if sweep.sharded:
+        return _sharded_diagonal(sweep, fisher, mc_samples, seed, folded, params)
+    group = sweep.group
+
+    def zeros() -> dict[str, Tensor]:
+        return {n: torch.zeros_like(p, memory_format=torch.contiguous_format) for n, p in params}
+
+    def local() -> tuple[dict[str, Tensor], int]:
+        sums = zeros()
+        count = 0
+        for n, pairs in _diagonal_sums(sweep, fisher, mc_samples, seed + sweep.rank, params):
+            count += n
+            for name, value in pairs:
+                sums[name] += value
+        return sums, count
+
+    done, error = guarded(group, local, "influence.fit")
     if group is None:
         sums, count = done
     else:
-        sums = (
-            done[0]
-            if done is not None
-            else {
-                name: torch.zeros_like(p, memory_format=torch.contiguous_format)
-                for name, p in params
-            }
-        )
+        sums = done[0] if done is not None else zeros()
         (total,) = all_sum(
             group,
             list(sums.values()),
@@ -108,32 +122,58 @@ def _diagonal_blocks(
             "influence.fit",
         )
         count = int(round(total))
-    return _diagonal_result(params, sums, count, folded), count
+    return _diagonal_result(params, sums, count, folded), count, None
+
+
+def _sharded_diagonal(sweep, fisher, mc_samples, seed, folded, params):
+    """`_diagonal_blocks` on an FSDP2 model: each block's sums reduced onto its owner."""
+    names = [name for name, _ in params]
+    biases = {b for w, b in folded.items() if w in names and b in names}
+    members = {
+        n: [n] + ([folded[n]] if folded.get(n) in biases else []) for n in names if n not in biases
+    }
+    sizes = {b: sum(dict(params)[n].numel() for n in group) for b, group in members.items()}
+    placement = Placement.balanced(sizes, members, device_of(sweep.model))
+    owner = {n: placement.owner[b] for b, group in members.items() for n in group}
+    mine = placement.owned_names()
+    sums = {
+        name: plain_zeros(p) if name in mine else torch.empty(p.shape, dtype=p.dtype, device="meta")
+        for name, p in params
+    }
+    count = 0
+    seed += placement.me
+    for n, pairs in _diagonal_sums(sweep, fisher, mc_samples, seed, params):
+        count += n
+        for name, value in pairs:  # one parameter at a time: whole on its owner
+            item = (_Owned(owner[name], tuple(value.shape), placement.world), value)
+            (reduced,) = reduce_onto(placement.group, [item], "reduce the diagonal")
+            if name in mine:
+                sums[name] += reduced.view(value.shape)
+    (total,) = all_sum(placement.group, [], [count], None, "influence.fit")
+    return _diagonal_result(params, sums, int(round(total)), folded), int(round(total)), placement
 
 
 def _diagonal_sums(
     sweep: Sweep, fisher: str, mc_samples: int, seed: int, params
-) -> tuple[dict[str, Tensor], int]:
-    """This process's sums of squared rows, and its number of examples."""
-    sums = {name: torch.zeros_like(p, memory_format=torch.contiguous_format) for name, p in params}
-    count = 0
+) -> Iterator[tuple[int, Iterator[tuple[str, Tensor]]]]:
+    """Per batch: its number of examples and its sums of squared rows, parameter by parameter.
+
+    Each batch's pairs must be consumed before the next batch is asked for.
+    """
     devices = [p.device for _, p in params[:1] if p.device.type == "cuda"]
     kind = {"true": "mc", "type-2": "type-2", "empirical": "grad"}[fisher]
     if fisher == "empirical":  # the gradients' squares, from factors where they allow
         classes, _ = recorded_classes(sweep.model, False)
         for batch, sites in site_batches(sweep, classes, "diagonal"):
-            count += batch.num_samples
-            for name, value in sites.items():
-                sums[name] += square_sum(value)
+            yield batch.num_samples, ((name, square_sum(value)) for name, value in sites.items())
             del sites
-        return sums, count
+        return
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         for batch, rows, _ in row_batches(sweep, kind, mc_samples, "diagonal"):
-            count += batch.num_samples
-            for name, value in rows.items():
-                sums[name] += value.square().sum(0).detach()
-    return sums, count
+            pairs = ((name, value.square().sum(0).detach()) for name, value in rows.items())
+            yield batch.num_samples, pairs
+            del rows
 
 
 def _diagonal_result(params, sums, count, folded: Mapping[str, str]) -> list[EigenBlock]:
@@ -189,7 +229,6 @@ class Influence:
     ) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
-        check_not_fully_sharded(model, "backpack.influence")
         # the model and loss whose gradients are scored (each call's data: `sweep.over`);
         # built here, which fails early on an unusable loss
         sweep = Sweep(
@@ -201,7 +240,11 @@ class Influence:
             distributed=False,
             what="backpack.influence",
         )
-        self._setup(sweep, strategy, blocks, damping, info)
+        placement = None
+        if sweep.sharded:  # each block on one rank (whole blocks given: kept where owned)
+            placement = place(sweep, blocks)
+            blocks = placed(blocks, placement) if blocks is not None else None
+        self._setup(sweep, strategy, blocks, damping, info, placement)
 
     @classmethod
     def _from_sweep(
@@ -211,11 +254,12 @@ class Influence:
         blocks: list[EigenBlock] | None,
         damping: Mapping[str, float] | None,
         info: Mapping[str, Any],
+        placement: Placement | None = None,
     ) -> Influence:
         """The fit of `sweep`'s model and loss (`fit`'s own entry; arguments as above)."""
         out = cls.__new__(cls)
         local = sweep.replace(data=None, group=None, distributed=False, progress=False)
-        out._setup(local, strategy, blocks, damping, info)
+        out._setup(local, strategy, blocks, damping, info, placement)
         return out
 
     def _setup(
@@ -225,6 +269,7 @@ class Influence:
         blocks: list[EigenBlock] | None,
         damping: Mapping[str, float] | None,
         info: Mapping[str, Any] | None,
+        placement: Placement | None = None,
     ) -> None:
         params = sweep.trainable()
         if strategy != "identity":
@@ -251,6 +296,8 @@ class Influence:
         self.info = dict(info or {})
         #: the model and loss whose gradients are scored (each call's data: `sweep.over`)
         self.sweep = sweep
+        #: on a model sharded with FSDP2: the rank of each block (`_sharded`); else None
+        self.placement = placement
 
     model = property(lambda self: self.sweep.model, doc="The model whose gradients are scored.")
     lossfunc = property(lambda self: self.sweep.lossfunc, doc="The loss.")
@@ -278,7 +325,9 @@ class Influence:
             out.update(b.scatter(b.apply(b.gather(rows), self._scale(b))))
         return out
 
-    def _sites(self, data: Iterable, progress: bool, per_token: bool, factored: bool, desc: str):
+    def _sites(
+        self, data: Iterable, progress: bool, per_token: bool, factored: bool, desc: str, same=False
+    ):
         """`site_batches` recording the layers that `per_token` / `factored` need."""
         classes: set[type] = set()
         if per_token or factored:
@@ -289,7 +338,7 @@ class Influence:
                     f"position; not: {', '.join(uncovered)}. Freeze them "
                     "(requires_grad_(False)) or score whole sequences (per_token=False)."
                 )
-        return site_batches(self.sweep.over(data, progress), classes, desc)
+        return site_batches(self.sweep.over(data, progress), classes, desc, same)
 
     def _precondition_sites(
         self, sites: Mapping[str, list[Site]], block: EigenBlock
@@ -309,67 +358,6 @@ class Influence:
                 out = value.new_empty(n, numel)
             out[start : start + value.shape[0]] = value
         return block.scatter(out)
-
-    def _query(
-        self,
-        query_data: Iterable,
-        progress: bool,
-        factored: bool,
-        rank: int | None = None,
-        norm: str = "fisher",
-    ) -> tuple[dict[str, Tensor | LowRank], int, dict[str, Site | None]]:
-        """Preconditioned query gradients `{name: [Q, numel]}`, Q, and the ghost factors.
-
-        The factors (for "identity" only) are those of single-call Linear-like parameters.
-        `rank`: matrix parameters' gradients truncated to that rank in the norm `norm`, batch by
-        batch (`LowRank`).
-        """
-        shapes = {name: tuple(p.shape) for name, p in self.sweep.trainable()}
-        fisher = rank is not None and norm == "fisher"
-        weights = _rank_weights(self.blocks, shapes) if fisher else {}
-        pieces: dict[str, list[Tensor | LowRank]] = {}
-        factors: dict[str, list[Site] | None] = {}
-        for _, sites in self._sites(query_data, progress, False, factored, "query gradients"):
-            if self.blocks is None:  # identity
-                for name, value in sites.items():
-                    n = value[0].num_samples
-                    pieces.setdefault(name, []).append(dense(value).reshape(n, -1))
-            else:
-                for block in self.blocks:
-                    for name, value in self._precondition_sites(sites, block).items():
-                        pieces.setdefault(name, []).append(value)
-            if rank is not None:  # this batch's rows at rank `rank`, before the next batch
-                for name, values in pieces.items():
-                    values[-1] = compress(values[-1], shapes[name], rank, weights.get(name))
-            for name, value in sites.items():
-                keep = self.strategy == "identity" and len(value) == 1 and value[0].kind == "outer"
-                if not keep:
-                    factors[name] = None
-                elif factors.setdefault(name, []) is not None:
-                    factors[name].append(value[0])
-            del sites
-        merged = {}
-        for name in list(pieces):  # one parameter's copy at a time
-            values = pieces.pop(name)
-            merged[name] = concat(values)
-            del values
-        ghost: dict[str, Site | None] = {}
-        for name, value in factors.items():
-            same = value is not None and len({s.positions for s in value}) == 1
-            same = same and not isinstance(merged[name], LowRank)
-            ghost[name] = (
-                Site(
-                    "outer",
-                    value[0].shape,
-                    torch.cat([s.left for s in value]),
-                    torch.cat([s.right for s in value]),
-                )
-                if same
-                else None
-            )
-        first = next(iter(merged.values()))
-        n_query = first.num_queries if isinstance(first, LowRank) else first.shape[0]
-        return merged, n_query, ghost
 
     # --- scores ------------------------------------------------------------------------------
     def scores(
@@ -468,8 +456,8 @@ class Influence:
                 1,
                 "influence.scores(..., gather=True)",
             )
-        query, n_query, ghost = self._query(
-            query_data, progress, factored, query_rank, query_rank_norm
+        query, n_query, ghost = query_rows(
+            self, query_data, progress, factored, query_rank, query_rank_norm
         )
         if out_dir is not None:
             options = {
@@ -510,7 +498,9 @@ class Influence:
         length: list[int | None] = [None]
         for _, sites in self._sites(train_data, progress, per_token, factored, "gradients"):
             columns.append(
-                batch_scores(query, n_query, ghost, sites, per_token, per_module, length)
+                batch_scores(
+                    query, n_query, ghost, sites, per_token, per_module, length, self.placement
+                )
             )
             del sites
         return joined(columns, n_query, per_module, dtype)
@@ -529,7 +519,7 @@ class Influence:
         `query_rank_norm`, see `scores`), all from one sweep over `train_data` (a sample of the
         training set is enough to choose r).
         """
-        full, n_query, ghost = self._query(query_data, progress, True)
+        full, n_query, ghost = query_rows(self, query_data, progress, True)
         shapes = {name: tuple(p.shape) for name, p in self.sweep.trainable()}
         ranks = sorted({int(r) for r in ranks})
         if not ranks or ranks[0] < 1:
@@ -538,7 +528,7 @@ class Influence:
             raise ValueError(
                 f"query_rank_norm must be 'fisher' or 'frobenius', got {query_rank_norm!r}."
             )
-        weights = _rank_weights(self.blocks, shapes) if query_rank_norm == "fisher" else {}
+        weights = rank_weights(self.blocks, shapes) if query_rank_norm == "fisher" else {}
         low = {
             r: {n: compress(v, shapes[n], r, weights.get(n)) for n, v in full.items()}
             for r in ranks
@@ -575,10 +565,13 @@ class Influence:
                         total = total + dense(value).flatten(1).square().sum(1)
                 out.append(total)
             else:
+                blocks = zip(self.blocks, map(self._scale, self.blocks))
+                if self.placement is not None:  # each block lent by its owner in turn
+                    blocks = lent_blocks(self.blocks, self._scale, self.placement)
                 out.append(
                     sum(
-                        b.quadratic(b.gather({n: dense(sites[n]) for n in b.names}), self._scale(b))
-                        for b in self.blocks
+                        b.quadratic(b.gather({n: dense(sites[n]) for n in b.names}), v)
+                        for b, v in blocks
                     )
                 )
         return torch.cat(out)
@@ -658,18 +651,6 @@ class Influence:
         return f"Influence(strategy={self.strategy!r}, info={self.info})"
 
 
-def _rank_weights(blocks: list[EigenBlock] | None, shapes: Mapping[str, tuple]) -> dict[str, Any]:
-    """`{weight name: fisher_weights}` of the blocks with Kronecker or diagonal structure."""
-    if blocks is None:
-        return {}
-    out = {}
-    for b in blocks:
-        found = fisher_weights(b, shapes[b.name])
-        if found is not None:
-            out[b.name] = found
-    return out
-
-
 def _check_storable(influence: Influence, dtype: torch.dtype) -> None:
     """Refuse a storage dtype that changes a block's `1 / (values + λ)` beyond its rounding.
 
@@ -698,11 +679,23 @@ def _check_storable(influence: Influence, dtype: torch.dtype) -> None:
 
 
 def _damping(
-    blocks: list[EigenBlock], damping: float | Mapping[str, float] | None
+    blocks: list[EigenBlock],
+    damping: float | Mapping[str, float] | None,
+    placement: Placement | None = None,
 ) -> dict[str, float]:
-    """λ per block: the heuristic (None), one value, or `{block name: λ}`."""
+    """λ per block: the heuristic (None), one value, or `{block name: λ}`.
+
+    On an FSDP2 fit the owners compute the heuristic of their blocks, and every rank gets all.
+    """
     if damping is None:
-        return {b.name: HEURISTIC_DAMPING * float(b.values.mean()) for b in blocks}
+        if placement is None:
+            return {b.name: HEURISTIC_DAMPING * float(b.values.mean()) for b in blocks}
+        local = [
+            HEURISTIC_DAMPING * float(b.values.mean()) if placement.owns(b.name) else 0.0
+            for b in blocks
+        ]
+        values = all_sum(placement.group, [], local, None, "influence.fit")
+        return {b.name: value for b, value in zip(blocks, values)}
     if isinstance(damping, Mapping):
         missing = [b.name for b in blocks if b.name not in damping]
         if missing:
@@ -738,6 +731,7 @@ def _positions(sweep: Sweep, blocks: list[EigenBlock]) -> dict[str, int]:
     finally:
         for handle in handles:
             handle.remove()
+        reshard(model)  # FSDP2 keeps the root gathered after a forward without a backward
     n = sweep.samples(X)
     out = {b.name: 1 for b in blocks}
     for module, members in layers.items():
@@ -812,7 +806,6 @@ def fit(
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
-    check_not_fully_sharded(model, "influence.fit")
     if fisher not in _FISHERS:
         raise ValueError(f"fisher must be one of {tuple(_FISHERS)}, got {fisher!r}.")
     values = damping.values() if isinstance(damping, Mapping) else [damping]
@@ -842,7 +835,7 @@ def fit(
     )
     if strategy == "diagonal":
         folded = {} if separate_weight_and_bias else kron_targets(sweep.model, "", False)[1]
-        blocks, count = _diagonal_blocks(sweep, fisher, mc_samples, seed, folded)
+        blocks, count, placement = _diagonal_blocks(sweep, fisher, mc_samples, seed, folded)
     else:
         operator_args = dict(
             fisher_type=_FISHERS[fisher],
@@ -858,6 +851,10 @@ def fit(
             op = EKFAC._from_sweep(sweep, **operator_args)
             blocks = op.blocks
         count = op.num_samples_total
+        placement = None
+        if op.owners is not None:  # FSDP2: each block on its factors' owner
+            members = {b.name: b.names for b in blocks}
+            placement = Placement(op.owners, members, device_of(sweep.model))
         # the operators' scale is the data-set loss's (R Σ_n); F is the mean over examples
         factor = op.normaliser_total / count
         scale = dict.fromkeys([b.name for b in blocks], factor)
@@ -869,8 +866,8 @@ def fit(
             for b in blocks
         ]
     info["num_samples"] = count
-    damping_of = _damping(blocks, damping)
-    return Influence._from_sweep(sweep, strategy, blocks, damping_of, info)
+    damping_of = _damping(blocks, damping, placement)
+    return Influence._from_sweep(sweep, strategy, blocks, damping_of, info, placement)
 
 
 def load(

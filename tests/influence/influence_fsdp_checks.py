@@ -1,0 +1,150 @@
+"""Checks of attribution on FSDP2 models, run inside gloo processes by test_influence_fsdp.py
+(not collected by pytest).
+
+Each rank fits on its own shard of the training set (the same number of batches per rank,
+uneven sizes) with a `fully_shard`-ed model and compares with one process fitting an unsharded
+copy on the whole set (in the same worker): each block lives on one rank (shape-only elsewhere)
+with one process's eigenvalues, every rank has every damping, and the scores, self-scores and
+TracIn scores of its shard are that shard's columns of one process's.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from distributed_checks import run_checks
+from influence_problems import PROBLEMS
+
+from backpack import distributed
+from backpack.influence import fit, tracin
+
+#: batch sizes of each rank's shard (11 training examples in all, the same number of batches)
+SHARDS = {2: [[3, 4], [2, 2]], 3: [[2, 1], [4, 1], [2, 1]]}
+CASES = [
+    ("mlp", "identity", "empirical", True),
+    ("mlp", "diagonal", "type-2", True),
+    ("mlp", "kfac", "empirical", False),
+    ("mlp", "ekfac", "type-2", True),
+    ("cnn", "diagonal", "empirical", False),
+    ("cnn", "kfac", "type-2", True),
+    ("cnn", "ekfac", "empirical", True),
+    ("tokens", "identity", "type-2", True),
+    ("tokens", "kfac", "type-2", True),
+    ("gpt", "diagonal", "empirical", True),
+    ("gpt", "kfac", "type-2", True),
+]
+TOL = {"rtol": 1e-8, "atol": 1e-10}
+
+
+def close(actual, expected, what: str) -> None:
+    torch.testing.assert_close(actual, expected, **TOL, msg=lambda m: f"{what}: {m}")
+
+
+def sharded(problem, nested: bool):
+    """The problem's model with fully_shard on each child with parameters (nested) and the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = problem.model()
+    if nested:
+        for child in model.children():
+            if any(True for _ in child.parameters()):
+                fully_shard(child)
+    fully_shard(model)
+    return model
+
+
+def shard(problem, rank: int, world: int) -> tuple[list, slice]:
+    sizes = SHARDS[world]
+    start = sum(sum(s) for s in sizes[:rank])
+    batches, at = [], start
+    for size in sizes[rank]:
+        batches.append((problem.X[at : at + size], problem.targets(problem.Y[at : at + size])))
+        at += size
+    return batches, slice(start, at)
+
+
+def check(name: str, strategy: str, fisher: str, nested: bool, rank: int, world: int) -> None:
+    problem = PROBLEMS[name]
+    model, ref = sharded(problem, nested), problem.model()
+    lossfunc = problem.make_loss("mean")
+    local, columns = shard(problem, rank, world)
+    train, query = problem.train(), problem.query()
+    # TinyGPT's key bias gets no gradient (softmax ignores a shift): a fixed λ, not 0.1 × ~0
+    damping = 1e-2 if name == "gpt" else None
+    ours = fit(model, lossfunc, local, strategy, damping, fisher=fisher)
+    whole = fit(ref, lossfunc, train, strategy, damping, fisher=fisher, distributed=False)
+    assert ours.info == whole.info, (ours.info, whole.info)
+    if strategy != "identity":
+        held = 0
+        for a, b in zip(ours.blocks, whole.blocks, strict=True):
+            assert a.name == b.name and a.names == b.names
+            if ours.placement.owns(a.name):
+                close(a.values, b.values, f"eigenvalues of {a.name}")
+                held += a.values.numel()
+            else:
+                assert a.values.device.type == "meta", a.name
+            lam, want = ours.damping[a.name], whole.damping[b.name]
+            assert abs(lam - want) <= 1e-9 * want + 1e-15, (a.name, lam, want)
+        total = sum(b.values.numel() for b in whole.blocks)
+        assert held < total or world == 1 or len(whole.blocks) == 1, (held, total)
+    expected = whole.scores(query, train)
+    close(ours.scores(query, local), expected[:, columns], "scores")
+    close(ours.scores(query, local, factored=False), expected[:, columns], "scores, per-sample")
+    close(ours.scores(query, local, gather=True), expected, "gathered scores")
+    close(ours.self_scores(local), whole.self_scores(train)[columns], "self-scores")
+    modules = whole.scores(query, train, per_module=True)
+    for key, value in ours.scores(query, local, per_module=True).items():
+        close(value, modules[key][:, columns], f"scores of module {key}")
+    if name in ("mlp", "gpt"):
+        low = whole.scores(query, train, query_rank=1)
+        close(ours.scores(query, local, query_rank=1), low[:, columns], "rank-1 scores")
+        errors = whole.query_rank_error(query, train, [1, 2])
+        mine = ours.query_rank_error(query, local, [1, 2])
+        for r in (1, 2):
+            assert abs(mine[r] - errors[r]) <= 1e-8 * errors[r] + 1e-12, (r, mine, errors)
+    if name == "gpt":
+        tokens = whole.scores(query, train, per_token=True)
+        close(ours.scores(query, local, per_token=True), tokens[:, columns], "per-token scores")
+    if strategy == "identity":
+        lr = [0.5]
+        close(
+            tracin([model], lossfunc, query, local, lr),
+            tracin([ref], lossfunc, query, train, lr)[:, columns],
+            "tracin",
+        )
+
+
+def query_must_agree(rank: int, world: int) -> None:
+    """Different query data on one rank: every rank raises (the rows would not match)."""
+    problem = PROBLEMS["mlp"]
+    model = sharded(problem, True)
+    lossfunc = problem.make_loss("mean")
+    local, _ = shard(problem, rank, world)
+    ours = fit(model, lossfunc, local, "kfac")
+    query = problem.query(1) if rank == 0 else problem.query(1)[::-1]
+    try:
+        ours.scores(query, local)
+    except RuntimeError as err:
+        assert "must be the same on every rank" in str(err), err
+    else:
+        raise AssertionError("different query data was not refused")
+    # still usable afterwards, and uneven numbers of training batches are refused everywhere
+    ours.scores(problem.query(), local)
+    try:
+        ours.self_scores(local if rank else local[:1])
+    except RuntimeError as err:
+        assert "different numbers of batches" in str(err), err
+    else:
+        raise AssertionError("uneven numbers of batches were not refused")
+
+
+#: `(label, check(rank, world))` of every case
+CHECKS = [
+    ("-".join(map(str, case)), partial(check, *case)) for case in CASES
+] + [("query-must-agree", query_must_agree)]
+
+
+def worker(rank: int, world: int, port: int, outdir: str) -> None:
+    distributed.TIMEOUT_S = 60.0
+    run_checks(rank, world, port, outdir, CHECKS, timeout_s=60.0)

@@ -1,0 +1,22 @@
+"""Attribution on FSDP2 models: gloo processes, each fitting and scoring its own uneven shard of
+the training set, against one process over all data (influence_fsdp_checks.py)."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import influence_fsdp_checks
+import pytest
+from test_distributed import assert_passed, spawn_workers
+
+pytestmark = pytest.mark.cpu_only
+
+multiprocessing.set_forkserver_preload(["influence_fsdp_checks"])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_influence_on_fsdp2(world, tmp_path):
+    """Fits spread over the ranks; scores, self-scores and TracIn equal one process's."""
+    names = [name for name, _ in influence_fsdp_checks.CHECKS]
+    worker = influence_fsdp_checks.worker
+    assert_passed(spawn_workers(worker, (), names, world, tmp_path, 300.0))
