@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from backpack import distributed as _dist
+from backpack.curvature._data import trainable
 from backpack.curvature._fsdp import assign_owners
 from backpack.influence._lowrank import LowRank
 from backpack.influence._sites import Site
@@ -190,13 +191,31 @@ def lent_blocks(
         yield lent, scale
 
 
-def place(sweep: Any, blocks: list[Any] | None) -> Placement:
-    """The placement of a fit from its blocks' sizes ("identity", None: one per parameter)."""
+def place(model: nn.Module, blocks: list[Any] | None) -> Placement:
+    """The placement of a fit from its blocks' sizes ("identity", None: one per parameter).
+
+    Shapes decide it, so whole blocks and shape-only ones give the same placement.
+    """
     if blocks is None:
-        params = sweep.trainable()
+        params = trainable(model)
         members = {name: [name] for name, _ in params}
         sizes = {name: p.numel() for name, p in params}
     else:
         members = {b.name: b.names for b in blocks}
         sizes = block_sizes(blocks)
-    return Placement.balanced(sizes, members, device_of(sweep.model))
+    return Placement.balanced(sizes, members, device_of(model))
+
+
+def whole_blocks(blocks: list[Any], placement: Placement, keep: bool = True) -> list[Any]:
+    """Every block whole, lent by its owner in turn (a collective); `keep=False`: none kept."""
+    out = []
+    for b in blocks:
+        own = placement.owns(b.name)
+        vectors, values = placement.lend(b.name, (b.vectors, b.values) if own else None)
+        if keep and own:
+            out.append(b)
+        elif keep:
+            lent = copy.copy(b)
+            lent.vectors, lent.values = list(vectors), values
+            out.append(lent)
+    return out

@@ -36,6 +36,9 @@ def _update(h: Any, obj: Any) -> None:
         t = obj.detach()
         if hasattr(t, "to_local"):
             t = t.to_local()
+        if t.device.type == "meta":  # shape only (another rank's block of an FSDP2 fit)
+            h.update(f"M{tuple(t.shape)}{t.dtype}".encode())
+            return
         t = t.contiguous().cpu()
         h.update(f"T{tuple(t.shape)}{t.dtype}".encode())
         if t.numel():
@@ -232,8 +235,14 @@ def _file_name(index: int, name: str) -> str:
     return f"{index:05d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.pt"
 
 
-def save_blocks(path: Any, state: Mapping[str, Any]) -> None:
-    """Write a fit's `state()` as a folder: `fit.pt` and one file per block in `blocks/`."""
+def save_blocks(
+    path: Any, state: Mapping[str, Any], writes: Any = None, head_too: bool = True
+) -> None:
+    """Write a fit's `state()` as a folder: `fit.pt` and one file per block in `blocks/`.
+
+    `writes(name) -> bool`: the blocks this process writes (None: all); `head_too`: whether it
+    writes `fit.pt` (several processes writing one folder, each its own blocks).
+    """
     root = Path(path)
     (root / "blocks").mkdir(parents=True, exist_ok=True)
     head = {k: v for k, v in state.items() if k != "blocks"}
@@ -243,10 +252,12 @@ def save_blocks(path: Any, state: Mapping[str, Any]) -> None:
         files = {}
         for i, block in enumerate(blocks):
             file = _file_name(i, block["name"])
-            _atomic_save(block, root / "blocks" / file)
+            if writes is None or writes(block["name"]):
+                _atomic_save(block, root / "blocks" / file)
             files[block["name"]] = file
     head["block_files"] = files
-    _atomic_save(head, root / _FIT)
+    if head_too:
+        _atomic_save(head, root / _FIT)
 
 
 def is_block_folder(path: Any) -> bool:
@@ -268,11 +279,23 @@ def load_block_state(path: Any, name: str, device: Any = "cpu") -> dict[str, Any
     return torch.load(Path(path) / "blocks" / files[name], map_location=device, weights_only=True)
 
 
-def load_block_states(path: Any, device: Any) -> list[dict[str, Any]] | None:
-    """Every block's state of a block folder, in the fit's order (None for "identity")."""
+def load_block_states(path: Any, device: Any, keep: Any = None) -> list[dict[str, Any]] | None:
+    """Every block's state of a block folder, in the fit's order (None for "identity").
+
+    `keep(states) -> [bool]`: given every block's shape-only (meta) state, which to load for
+    real (None: all); the others stay shape-only.
+    """
     head = load_head(path, device)
     files = head.get("block_files")
     if files is None:
         return None
     root = Path(path) / "blocks"
-    return [torch.load(root / f, map_location=device, weights_only=True) for f in files.values()]
+    if keep is None:
+        return [
+            torch.load(root / f, map_location=device, weights_only=True) for f in files.values()
+        ]
+    shapes = [torch.load(root / f, map_location="meta", weights_only=True) for f in files.values()]
+    return [
+        torch.load(root / f, map_location=device, weights_only=True) if wanted else state
+        for f, state, wanted in zip(files.values(), shapes, keep(shapes))
+    ]

@@ -34,7 +34,7 @@ from backpack.curvature._distributed import (
     process_group,
     rank_of,
 )
-from backpack.curvature._fsdp import _Owned, plain_zeros, reshard
+from backpack.curvature._fsdp import _Owned, is_fully_sharded, plain_zeros, reshard
 from backpack.curvature._fsdp import _reduce_scatter as reduce_onto
 from backpack.curvature._lent import kron_layer, kron_targets
 from backpack.curvature._rows import row_batches
@@ -50,7 +50,14 @@ from backpack.influence._scoring import (
     rank_weights,
     scores_to_disk,
 )
-from backpack.influence._sharded import Placement, device_of, lent_blocks, place, placed
+from backpack.influence._sharded import (
+    Placement,
+    device_of,
+    lent_blocks,
+    place,
+    placed,
+    whole_blocks,
+)
 from backpack.influence._sites import (
     CHUNK_ENTRIES,
     Site,
@@ -242,7 +249,7 @@ class Influence:
         )
         placement = None
         if sweep.sharded:  # each block on one rank (whole blocks given: kept where owned)
-            placement = place(sweep, blocks)
+            placement = place(sweep.model, blocks)
             blocks = placed(blocks, placement) if blocks is not None else None
         self._setup(sweep, strategy, blocks, damping, info, placement)
 
@@ -478,6 +485,10 @@ class Influence:
                 dict(query),
                 dict(options),
             )
+            if self.placement is not None:  # every rank's shards and blocks: one key
+                keys = [None] * self.placement.world
+                dist.all_gather_object(keys, key, group=self.placement.group)
+                key = tensor_hash(keys)
             return scores_to_disk(
                 self,
                 key,
@@ -578,11 +589,17 @@ class Influence:
 
     # --- persistence -------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
-        """The fit as plain tensors, numbers and strings (what `save` writes)."""
+        """The fit as plain tensors, numbers and strings (what `save` writes).
+
+        On an FSDP2 model a collective: every rank gets every block whole.
+        """
+        blocks = self.blocks
+        if blocks is not None and self.placement is not None:
+            blocks = whole_blocks(blocks, self.placement)
         return {
             "format": _FORMAT,
             "strategy": self.strategy,
-            "blocks": [b.state() for b in self.blocks] if self.blocks is not None else None,
+            "blocks": [b.state() for b in blocks] if blocks is not None else None,
             "damping": self.damping,
             "info": self.info,
         }
@@ -598,7 +615,13 @@ class Influence:
             per_module: Write a folder with `fit.pt` and one file per block (a parameter, or a
                 layer with a folded bias) under `blocks/`, each loadable on its own
                 (`load_block`).
+
+        On an FSDP2 model a collective on one shared `path`: each rank writes its own blocks'
+        files (`per_module=True`), or rank 0 the file, getting the blocks one at a time.
         """
+        if self.placement is not None:
+            _save_sharded(self, path, dtype, per_module)
+            return
         state = self.state()
         if dtype is not None:
             _check_storable(self, dtype)
@@ -628,7 +651,15 @@ class Influence:
         device, dtype = next((p.device, p.dtype) for _, p in trainable(model))
         if is_block_folder(path):
             state = load_head(path, device)
-            state["blocks"] = load_block_states(path, device)
+            keep = None
+            if is_fully_sharded(model):  # only this rank's blocks, by the ctor's placement
+
+                def keep(states: list[dict[str, Any]]) -> list[bool]:
+                    shapes = [EigenBlock.from_state(_restored(b, dtype)) for b in states]
+                    placement = place(model, shapes)
+                    return [placement.owns(b.name) for b in shapes]
+
+            state["blocks"] = load_block_states(path, device, keep)
         else:
             state = torch.load(path, map_location=device, weights_only=True)
         if not isinstance(state, dict) or state.get("format") != _FORMAT:
@@ -651,6 +682,43 @@ class Influence:
         return f"Influence(strategy={self.strategy!r}, info={self.info})"
 
 
+def _save_sharded(influence: Influence, path: Any, dtype: torch.dtype | None, per_module: bool):
+    """`Influence.save` of an FSDP2 fit (see there); errors on one rank reach every rank."""
+    placement, blocks = influence.placement, influence.blocks
+    what = "Influence.save"
+    _, error = guarded(placement.group, lambda: dtype and _check_storable(influence, dtype), what)
+    all_sum(placement.group, [], [], error, what)
+
+    def stored(b: EigenBlock) -> dict[str, Any]:
+        return _stored(b.state(), dtype) if dtype is not None else b.state()
+
+    head = {
+        "format": _FORMAT,
+        "strategy": influence.strategy,
+        "damping": influence.damping,
+        "info": influence.info,
+    }
+
+    def write() -> None:
+        if per_module:
+            states = (
+                None
+                if blocks is None
+                else [stored(b) if placement.owns(b.name) else {"name": b.name} for b in blocks]
+            )
+            save_blocks(path, {**head, "blocks": states}, placement.owns, placement.me == 0)
+            return
+        first = placement.me == 0
+        whole = whole_blocks(blocks, placement, keep=first) if blocks is not None else None
+        if first:
+            torch.save(
+                {**head, "blocks": None if whole is None else [stored(b) for b in whole]}, path
+            )
+
+    _, error = guarded(placement.group, write, what)
+    all_sum(placement.group, [], [], error, what)
+
+
 def _check_storable(influence: Influence, dtype: torch.dtype) -> None:
     """Refuse a storage dtype that changes a block's `1 / (values + λ)` beyond its rounding.
 
@@ -664,6 +732,8 @@ def _check_storable(influence: Influence, dtype: torch.dtype) -> None:
         return
     eps = torch.finfo(dtype).eps
     for b in influence.blocks:
+        if b.values.device.type == "meta":  # another rank's block (FSDP2): checked there
+            continue
         scale = _power_of_two(b.values)
         values = (b.values / scale).to(dtype).to(b.values) * scale
         rounded = EigenBlock(b.name, b.shape, [], values, False)

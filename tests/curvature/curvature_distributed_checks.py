@@ -30,7 +30,6 @@ from backpack.extensions import (
     SumGradSquared,
     Variance,
 )
-from backpack.influence import fit, tracin
 from backpack.passes import state
 
 #: batch sizes of each rank's shard (11 samples in all): uneven numbers and sizes of batches
@@ -451,8 +450,8 @@ def fully_sharded(rank: int, world: int) -> None:
     empty = mine if rank != bad else []
     run = lambda: accumulate(model, lossfunc, empty, DiagGGNExact())  # noqa: E731
     _expect(rank, bad, run, ValueError, "empty data set")
-    # refused: per-sample rows, callbacks, distributed=False, operators (KFLR, KFAC: their own
-    # checks in curvature_fsdp_kron_checks.py)
+    # refused: per-sample rows, callbacks, distributed=False (influence on FSDP2: its own checks
+    # in tests/influence/influence_fsdp_checks.py)
     refused = [
         (NotImplementedError, "grad_batch", lambda: accumulate(model, lossfunc, mine, BatchGrad())),
         (
@@ -464,12 +463,6 @@ def fully_sharded(rank: int, world: int) -> None:
             ValueError,
             "distributed=False",
             lambda: accumulate(model, lossfunc, mine, DiagGGNExact(), distributed=False),
-        ),
-        (NotImplementedError, "influence.fit", lambda: fit(model, lossfunc, mine, "diagonal")),
-        (
-            NotImplementedError,
-            "backpack.influence",
-            lambda: tracin([model], lossfunc, mine, mine, 0.1),
         ),
     ]
     for error, match, run in refused:

@@ -10,14 +10,17 @@ TracIn scores of its shard are that shard's columns of one process's.
 
 from __future__ import annotations
 
+import tempfile
 from functools import partial
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from distributed_checks import run_checks
 from influence_problems import PROBLEMS
 
 from backpack import distributed
-from backpack.influence import fit, tracin
+from backpack.influence import Influence, fit, tracin
 
 #: batch sizes of each rank's shard (11 training examples in all, the same number of batches)
 SHARDS = {2: [[3, 4], [2, 2]], 3: [[2, 1], [4, 1], [2, 1]]}
@@ -139,10 +142,57 @@ def query_must_agree(rank: int, world: int) -> None:
         raise AssertionError("uneven numbers of batches were not refused")
 
 
+def shared_folder() -> Path:
+    """A fresh folder that every rank sees (rank 0 makes it)."""
+    name = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    return Path(name[0])
+
+
+def persistence(rank: int, world: int) -> None:
+    """save/load (a file, a folder, bf16) and scores written to disk, on FSDP2 like one process."""
+    problem = PROBLEMS["cnn"]
+    model, ref = sharded(problem, True), problem.model()
+    lossfunc = problem.make_loss("mean")
+    local, columns = shard(problem, rank, world)
+    train, query = problem.train(), problem.query()
+    ours = fit(model, lossfunc, local, "ekfac", fisher="type-2")
+    whole = fit(ref, lossfunc, train, "ekfac", fisher="type-2", distributed=False)
+    expected = whole.scores(query, train)[:, columns]
+    root = shared_folder()
+    state = ours.state()  # every block whole on every rank
+    for a, b in zip(state["blocks"], whole.state()["blocks"]):
+        close(a["values"], b["values"], f"state of {a['name']}")
+    for target, options in ((root / "fit.pt", {}), (root / "blocks", {"per_module": True})):
+        ours.save(target, **options)
+        back = Influence.load(target, model, lossfunc)
+        assert [b.name for b in back.blocks] == [b.name for b in ours.blocks]
+        for a, b in zip(back.blocks, ours.blocks):
+            assert (a.values.device.type == "meta") == (b.values.device.type == "meta"), a.name
+        close(back.scores(query, local), expected, f"scores after load from {target.name}")
+        # the one-process fit loads the FSDP2 fit's files, and the other way round
+        close(Influence.load(target, ref, lossfunc).scores(query, train)[:, columns], expected, "1")
+    whole.save(root / "whole", per_module=True)
+    close(Influence.load(root / "whole", model, lossfunc).scores(query, local), expected, "2")
+    ours.save(root / "bf16", dtype=torch.bfloat16, per_module=True)
+    half = Influence.load(root / "bf16", model, lossfunc).scores(query, local)
+    want = Influence.load(root / "bf16", ref, lossfunc).scores(query, train)[:, columns]
+    close(half, want, "bf16 fit")
+    # scores on disk: each rank its own folder, resumable
+    mine = root / f"scores-{rank}"
+    close(ours.scores(query, local, out_dir=mine, chunk_size=1), expected, "scores on disk")
+    close(ours.scores(query, local, out_dir=mine, chunk_size=1), expected, "resumed")
+    # per-sample gradients of this rank's samples, whole
+    grads = torch.cat([g["0.weight"] for g in ours.gradients(local)])
+    want = torch.cat([g["0.weight"] for g in whole.gradients(train)])[columns]
+    close(grads, want, "gradients")
+
+
 #: `(label, check(rank, world))` of every case
-CHECKS = [
-    ("-".join(map(str, case)), partial(check, *case)) for case in CASES
-] + [("query-must-agree", query_must_agree)]
+CHECKS = [("-".join(map(str, case)), partial(check, *case)) for case in CASES] + [
+    ("query-must-agree", query_must_agree),
+    ("persistence", persistence),
+]
 
 
 def worker(rank: int, world: int, port: int, outdir: str) -> None:

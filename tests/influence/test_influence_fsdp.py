@@ -15,8 +15,10 @@ multiprocessing.set_forkserver_preload(["influence_fsdp_checks"])
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_influence_on_fsdp2(world, tmp_path):
-    """Fits spread over the ranks; scores, self-scores and TracIn equal one process's."""
-    names = [name for name, _ in influence_fsdp_checks.CHECKS]
+@pytest.mark.parametrize("scenario", ["fits", "more"])
+def test_influence_on_fsdp2(scenario, world, tmp_path):
+    """Fits spread over the ranks; scores, self-scores, TracIn, save/load and scores on disk
+    equal one process's; different query data and uneven batch counts raise on every rank."""
+    names = [name for name, _ in influence_fsdp_checks.SCENARIOS[scenario]]
     worker = influence_fsdp_checks.worker
-    assert_passed(spawn_workers(worker, (), names, world, tmp_path, 300.0))
+    assert_passed(spawn_workers(worker, (scenario,), names, world, tmp_path, 400.0))
