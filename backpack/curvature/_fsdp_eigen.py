@@ -35,6 +35,7 @@ from backpack.context import CTX
 from backpack.curvature._blocks import BlockLayout
 from backpack.curvature._data import first_tensor
 from backpack.curvature._eigen import EigenState, eigen_rules
+from backpack.curvature._fsdp import reshard
 from backpack.curvature._fsdp_blocks import ShardedBlocks
 from backpack.curvature.accumulate import accumulate_over
 
@@ -200,10 +201,7 @@ def check_calls(
     finally:
         for handle in handles:
             handle.remove()
-        for module in model.modules():  # FSDP2 keeps the root gathered until a backward
-            reshard = getattr(module, "reshard", None)
-            if callable(reshard) and type(module).__name__.startswith("FSDP"):
-                reshard()
+        reshard(model)  # FSDP2 keeps the root gathered until a backward
         with torch.no_grad():  # running statistics are not this check's to update
             for buffer, saved in buffers:
                 buffer.copy_(saved)
