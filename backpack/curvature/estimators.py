@@ -8,8 +8,9 @@ On an operator of a model sharded with FSDP2 (`op.sharded`), vectors are this ra
 shards: every rank draws the same random vectors as one process with the same seed and keeps
 its rows, inner products are summed over the ranks, and results that are vectors (diagonals,
 eigenvectors) are this rank's rows. Every rank must call the estimator (it is a collective).
-Estimators that orthogonalise blocks of whole vectors (`hutchpp_trace`, `xtrace`, `xdiag`)
-refuse such operators.
+Estimators that orthogonalise blocks of vectors (`hutchpp_trace`, `xtrace`, `xdiag`) take their
+thin QR over the ranks (`_qr`, TSQR: one exchange of small `R` factors), so that every rank
+holds its rows of `Q` and the whole `R`, as one process would.
 """
 
 from __future__ import annotations
@@ -91,15 +92,25 @@ def _norm(op: Any, v: Tensor, dim: int | None = None) -> Tensor:
     return op.sum_over_ranks(squares).sqrt()
 
 
-def _refuse_sharded(op: Any, what: str) -> None:
-    if _sharded(op):
-        raise NotImplementedError(
-            f"{what} does not support an operator of a model sharded with FSDP2 (fully_shard): "
-            "it orthogonalises blocks of whole vectors (QR, SVD). Use hutchinson_trace, "
-            "hutchinson_diagonal, eigvalsh, lanczos_quadrature, spectral_density or "
-            "slq_logdet, which sum their inner products over the ranks, or the operator's "
-            "exact diagonal() and trace()."
-        )
+def _qr(op: Any, Y: Tensor) -> tuple[Tensor, Tensor]:
+    """Thin QR `Y = Q R`; on a sharded `op`, of this rank's rows of Y: its rows of Q, R whole.
+
+    TSQR: each rank factors its rows, `Y_r = Q_r R_r`; the ranks' `R_r` stacked in rank order
+    are factored once more, `[R_0; R_1; …] = Q̃ R`, and rank r's rows of Q are `Q_r Q̃_r` (`Q̃_r`
+    its rows of Q̃). Q's columns are orthonormal, since those of the block diagonal `diag(Q_r)`
+    and of Q̃ are, and every rank computes the same R from the same stacked matrix.
+    """
+    if not _sharded(op):
+        return torch.linalg.qr(Y)
+    local_q, local_r = torch.linalg.qr(Y)
+    stacked, start = op.stack_over_ranks(local_r)
+    outer_q, R = torch.linalg.qr(stacked)
+    return local_q @ outer_q[start : start + local_r.shape[0]], R
+
+
+def _dot(op: Any, A: Tensor, B: Tensor) -> Tensor:
+    """`Aᵀ B` of two matrices of `op`'s vectors (summed over the ranks on a sharded `op`)."""
+    return _total(op, A.T @ B)
 
 
 def _check_count(num_matvecs: int, minimum: int = 1) -> None:
@@ -160,18 +171,16 @@ def hutchpp_trace(
     then `A [Q, (I − QQᵀ) G]` (`min(s, P) + r` columns).
     """
     _check_count(num_matvecs, minimum=3)
-    _refuse_sharded(op, "hutchpp_trace")
-    size, dtype, device = _info(op)
     s = num_matvecs // 3
     r = num_matvecs - 2 * s
-    S = _random(size, s, seed, distribution, dtype, device)
-    G = _random(size, r, seed + 1, distribution, dtype, device)
+    S = _draw(op, s, seed, distribution)
+    G = _draw(op, r, seed + 1, distribution)
     with _reusing(op):
-        Q, _ = torch.linalg.qr(op @ S)
-        G = G - Q @ (Q.T @ G)
+        Q, _ = _qr(op, op @ S)
+        G = G - Q @ _dot(op, Q, G)
         both = op @ torch.cat([Q, G], dim=1)
     AQ, AG = both[:, : Q.shape[1]], both[:, Q.shape[1] :]
-    return (Q * AQ).sum() + (G * AG).sum() / r
+    return _total(op, (Q * AQ).sum() + (G * AG).sum() / r)
 
 
 def _leave_one_out(op: Any, num_matvecs: int, seed: int, distribution: str):
@@ -187,15 +196,13 @@ def _leave_one_out(op: Any, num_matvecs: int, seed: int, distribution: str):
         `Ω`, `Y`, `Q`, `Z`, `R` and the list of the `B_i`.
     """
     _check_count(num_matvecs, minimum=2)
-    _refuse_sharded(op, "xtrace and xdiag")
-    size, dtype, device = _info(op)
     s = num_matvecs // 2
-    Omega = _random(size, s, seed, distribution, dtype, device)
+    Omega = _draw(op, s, seed, distribution)
     with _reusing(op):
         Y = op @ Omega
-        Q, R = torch.linalg.qr(Y)
+        Q, R = _qr(op, Y)
         Z = op @ Q
-    threshold = torch.finfo(dtype).eps ** 0.75
+    threshold = torch.finfo(Omega.dtype).eps ** 0.75
     bases = []
     for i in range(s):
         rest = torch.cat([R[:, :i], R[:, i + 1 :]], dim=1)
@@ -239,19 +246,19 @@ def xtrace(op: Any, num_matvecs: int, seed: int = 0, return_std: bool = False) -
     `O(P s²)` arithmetic.
     """
     Omega, Y, Q, Z, R, bases = _leave_one_out(op, num_matvecs, seed, "normal")
-    size = Omega.shape[0]
-    T = Q.T @ Z
+    size = _size(op)
+    T = _dot(op, Q, Z)
     T = (T + T.T) / 2
-    G = Q.T @ Omega
+    G = _dot(op, Q, Omega)
     low = torch.stack([(B * (T @ B)).sum() for B in bases])
     C = torch.stack([B @ (B.T @ G[:, i]) for i, B in enumerate(bases)], dim=1)
     W = Omega - Q @ C  # Π_i ω_i, column by column
     AW = Y - Z @ C  # A Π_i ω_i
     dims = torch.tensor([size - B.shape[1] for B in bases], dtype=Omega.dtype, device=Y.device)
-    norms = W.square().sum(0)
+    norms = _total(op, W.square().sum(0))
     tiny = torch.finfo(Omega.dtype).tiny
     residual = torch.where(
-        (dims > 0) & (norms > tiny), (W * AW).sum(0) * dims / norms.clamp(min=tiny), 0.0
+        (dims > 0) & (norms > tiny), _total(op, (W * AW).sum(0)) * dims / norms.clamp(min=tiny), 0.0
     )
     estimates = low + residual
     estimate = estimates.mean()

@@ -20,6 +20,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.func import grad, vjp, vmap
 
@@ -147,6 +148,23 @@ class CurvatureOperator:
         if not self.sharded:
             return t
         return all_sum_values(header_group(getattr(self, "_group", None)), t)
+
+    def stack_over_ranks(self, t: Tensor) -> tuple[Tensor, int]:
+        """Every rank's `t` stacked in rank order, and this rank's first row in the stack.
+
+        The ranks' `t` may differ in their number of rows (a collective on a sharded model).
+        """
+        if not self.sharded:
+            return t, 0
+        group = header_group(getattr(self, "_group", None))
+        world, me = dist.get_world_size(group), dist.get_rank(group)
+        counts = t.new_zeros(world, dtype=torch.float64)
+        counts[me] = t.shape[0]
+        counts = [int(c) for c in all_sum_values(group, counts).tolist()]
+        start = sum(counts[:me])
+        stacked = t.new_zeros(sum(counts), *t.shape[1:])
+        stacked[start : start + t.shape[0]] = t
+        return all_sum_values(group, stacked), start
 
     def _refuse_sharded(self, what: str, instead: str) -> None:
         if self.sharded:

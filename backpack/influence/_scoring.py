@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from backpack.curvature._distributed import all_sum
+from backpack.curvature._fsdp import agree_done
 from backpack.influence._lowrank import LowRank, compress, concat, fisher_weights
 from backpack.influence._sites import Site, choose, dense
 from backpack.influence._store import ScoreChunks, batch_digest, read_scores
@@ -38,6 +39,13 @@ def batch_scores(
     """
     totals: dict[str, Tensor] = {}
     if placement is not None:
+        error = None
+        try:  # a rank's error here must not leave the others waiting for a lent block
+            if per_token:
+                _check_positions(sites, length)
+        except ValueError as err:
+            error = err
+        agree_done(error, "backpack.influence")
         for block, names in placement.members.items():
             mine = None
             if placement.owns(block):
@@ -49,27 +57,10 @@ def batch_scores(
             for key, value in part.items():
                 totals[key] = value if key not in totals else totals[key] + value
         return totals
+    if per_token:
+        _check_positions(sites, length)
     for name, value in sites.items():
         M = query[name]
-        if per_token:
-            for site in value:
-                if site.kind == "sample":
-                    raise ValueError(
-                        f"per_token=True: {name} has no terms per position (its module "
-                        "was not called as a layer of its own). Freeze it or use "
-                        "per_token=False."
-                    )
-                if length[0] is None:
-                    length[0] = site.positions
-                if site.positions != length[0]:
-                    raise ValueError(
-                        f"per_token=True needs one sequence length T in every layer and "
-                        f"batch; {name} has {site.positions} positions, others "
-                        f"{length[0]}. Pad the sequences (ignored targets) to one length "
-                        "(a convolution's positions are its output positions: keep "
-                        "its output as long as the sequence, e.g. stride 1 and "
-                        "causal or 'same' padding)."
-                    )
         if isinstance(M, LowRank):
             part = M.products(value, per_token)
         elif per_token:
@@ -79,6 +70,29 @@ def batch_scores(
         key = name.rpartition(".")[0] if per_module else ""
         totals[key] = part if key not in totals else totals[key] + part
     return totals
+
+
+def _check_positions(sites: Mapping[str, list[Site]], length: list[int | None]) -> None:
+    """Refuse sites without terms per position, or with another T than seen so far."""
+    for name, value in sites.items():
+        for site in value:
+            if site.kind == "sample":
+                raise ValueError(
+                    f"per_token=True: {name} has no terms per position (its module "
+                    "was not called as a layer of its own). Freeze it or use "
+                    "per_token=False."
+                )
+            if length[0] is None:
+                length[0] = site.positions
+            if site.positions != length[0]:
+                raise ValueError(
+                    f"per_token=True needs one sequence length T in every layer and "
+                    f"batch; {name} has {site.positions} positions, others "
+                    f"{length[0]}. Pad the sequences (ignored targets) to one length "
+                    "(a convolution's positions are its output positions: keep "
+                    "its output as long as the sequence, e.g. stride 1 and "
+                    "causal or 'same' padding)."
+                )
 
 
 def query_rows(

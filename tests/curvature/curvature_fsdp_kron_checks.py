@@ -23,7 +23,15 @@ from curvature_distributed_checks import (
 from distributed_checks import run_checks
 
 from backpack import distributed
-from backpack.curvature import EKFAC, KFAC, accumulate, eigvalsh, hutchinson_trace
+from backpack.curvature import (
+    EKFAC,
+    KFAC,
+    accumulate,
+    eigvalsh,
+    hutchinson_trace,
+    hutchpp_trace,
+    xtrace,
+)
 from backpack.extensions import KFAC as KFACExtension
 from backpack.extensions import KFLR, DiagGGNExact
 
@@ -136,6 +144,7 @@ def kfac_operator_case(name: str, reduction: str, nested: bool, **options):
         _expect_everywhere(op.to_scipy, NotImplementedError, "to_scipy")
         # the estimators sum their inner products over the ranks: one process's numbers
         close(hutchinson_trace(op, 4, seed=2), hutchinson_trace(expected, 4, seed=2), "hutchinson")
+        close(xtrace(op, 6, seed=4), xtrace(expected, 6, seed=4), "xtrace")
         close(eigvalsh(op, k=2, seed=1), eigvalsh(expected, k=2, seed=1), "eigvalsh")
 
     return check
@@ -258,6 +267,7 @@ def compare_ekfac(model, ref, lossfunc, mine, everything, rank: int, world: int,
     _expect_everywhere(op.inverse(0.1).to_dense, NotImplementedError, "to_dense")
     # the estimators sum their inner products over the ranks: one process's numbers
     close(hutchinson_trace(op, 4, seed=2), hutchinson_trace(expected, 4, seed=2), "hutchinson")
+    close(hutchpp_trace(op, 7, seed=4), hutchpp_trace(expected, 7, seed=4), "hutch++")
     close(eigvalsh(op, k=2, seed=1), eigvalsh(expected, k=2, seed=1), "eigvalsh")
 
 

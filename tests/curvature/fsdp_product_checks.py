@@ -21,6 +21,8 @@ from backpack.curvature import GGN, EmpiricalFisher, Hessian, eigvalsh
 from backpack.curvature.estimators import (
     hutchinson_diagonal,
     hutchinson_trace,
+    hutchpp_trace,
+    xdiag,
     xtrace,
 )
 from backpack.curvature.spectral import lanczos_quadrature
@@ -173,6 +175,16 @@ def spectral_case(kind: str, name: str, reduction: str, nested: bool) -> Callabl
         ref_nodes, ref_weights = lanczos_quadrature(ref, 2, 4, seed=3)
         close(nodes, ref_nodes, "lanczos nodes", rtol=1e-7, atol=1e-9)
         close(weights, ref_weights, "lanczos weights", rtol=1e-7, atol=1e-9)
+        # the orthogonalising estimators: QR over the ranks (TSQR), one process's numbers
+        close(hutchpp_trace(op, 7, seed=4), hutchpp_trace(ref, 7, seed=4), "hutch++")
+        close(xtrace(op, 6, seed=4), xtrace(ref, 6, seed=4), "xtrace")
+        estimate, std = xtrace(op, 6, seed=4, return_std=True)
+        close(std, xtrace(ref, 6, seed=4, return_std=True)[1], "xtrace std")
+        diagonal = op.local_rows(xdiag(ref, 6, seed=4)[:, None])[:, 0]
+        close(xdiag(op, 6, seed=4), diagonal, "xdiag")
+        # exact once the sketch holds the whole range (more vectors than P)
+        size = ref.shape[0]
+        close(xtrace(op, 2 * size + 2, seed=5), torch.trace(dense), "xtrace, full sketch")
 
     return check
 
@@ -191,7 +203,6 @@ def refusals_case(rank: int, world: int) -> None:
     op, _ = pair("ggn", "mlp_ce", "mean", True, rank, world)
     raises(NotImplementedError, "to_dense()", op.to_dense)
     raises(NotImplementedError, "to_scipy()", op.to_scipy)
-    raises(NotImplementedError, "xtrace", lambda: xtrace(op, 4))
     problem, mine, _ = data("mlp_ce", rank, world)
     lossfunc = problem.make_loss("mean")
     model = sharded_model(problem, True)

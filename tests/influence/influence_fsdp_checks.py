@@ -109,6 +109,18 @@ def check(name: str, strategy: str, fisher: str, nested: bool, rank: int, world:
     if name == "gpt":
         tokens = whole.scores(query, train, per_token=True)
         close(ours.scores(query, local, per_token=True), tokens[:, columns], "per-token scores")
+    variants = {
+        ("mlp", "kfac"): {"separate_weight_and_bias": False},  # one block per layer
+        ("cnn", "diagonal"): {"separate_weight_and_bias": False},
+        ("tokens", "kfac"): {"kfac_positions": "mean"},  # a forward without backward first
+    }
+    options = variants.get((name, strategy))
+    if options is not None:
+        a = fit(model, lossfunc, local, strategy, fisher=fisher, **options)
+        b = fit(ref, lossfunc, train, strategy, fisher=fisher, distributed=False, **options)
+        assert all(a.placement.members[x.name] == x.names for x in b.blocks)
+        close(a.scores(query, local), b.scores(query, train)[:, columns], f"scores, {options}")
+        close(a.self_scores(local), b.self_scores(train)[columns], f"self-scores, {options}")
     if strategy == "identity":
         lr = [0.5]
         close(
@@ -119,7 +131,8 @@ def check(name: str, strategy: str, fisher: str, nested: bool, rank: int, world:
 
 
 def query_must_agree(rank: int, world: int) -> None:
-    """Different query data on one rank: every rank raises (the rows would not match)."""
+    """Different query data, uneven batch counts and a per-token error on one rank: every rank
+    raises (instead of mixing rows or waiting for a lent block)."""
     problem = PROBLEMS["mlp"]
     model = sharded(problem, True)
     lossfunc = problem.make_loss("mean")
@@ -140,6 +153,23 @@ def query_must_agree(rank: int, world: int) -> None:
         assert "different numbers of batches" in str(err), err
     else:
         raise AssertionError("uneven numbers of batches were not refused")
+    # another T in one rank's second batch: its error (the sweep's check of batch shapes), the
+    # others name it
+    problem = PROBLEMS["gpt"]
+    model = sharded(problem, False)
+    lossfunc = problem.make_loss("mean")
+    local, _ = shard(problem, rank, world)
+    ours = fit(model, lossfunc, local, "identity")
+    if rank == 0:
+        x, y = local[1]
+        local = [local[0], (x[:, :4], y.reshape(x.shape[0], -1)[:, :4].flatten())]
+    try:
+        ours.scores(problem.query(), local, per_token=True)
+    except (ValueError, RuntimeError) as err:
+        want = "apart from its number of samples" if rank == 0 else "rank 0 failed"
+        assert want in str(err), err
+    else:
+        raise AssertionError("a per-token length mismatch on one rank was not refused")
 
 
 def shared_folder() -> Path:
