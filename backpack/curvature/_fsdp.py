@@ -57,9 +57,9 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 SUPPORTED = (
     "the gradient, SumGradSquared, Variance, DiagGGNExact, DiagGGNMC, DiagHessian (each rank "
     "keeps its shard), BatchL2Grad (this rank's rows), KFLR and KFAC (each layer's factors on "
-    "one owner rank), the operators GGN, Hessian, EmpiricalFisher, KFAC and EKFAC (nn.Linear "
-    "and convolution blocks; each block's eigenbasis and corrected eigenvalues on its owner) and "
-    "backpack.influence (each block of the fit on one rank)"
+    "one owner rank), the operators GGN, Hessian, EmpiricalFisher, KFAC and EKFAC (each block's "
+    "eigenbasis and corrected eigenvalues on its owner) and backpack.influence (each block of "
+    "the fit on one rank)"
 )
 
 

@@ -20,6 +20,7 @@ but the smallest batches, and would leave the rotations to the owners alone.
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from collections.abc import Mapping
 from contextlib import contextmanager
@@ -32,19 +33,13 @@ from torch import Tensor, nn
 from backpack import distributed as _dist
 from backpack.api import disable
 from backpack.context import CTX
-from backpack.curvature._blocks import BlockLayout
 from backpack.curvature._data import first_tensor
+from backpack.curvature._distributed import all_sum as _all_sum
 from backpack.curvature._eigen import EigenState, eigen_rules
-from backpack.curvature._fsdp import reshard
+from backpack.curvature._fsdp import _Owned, _reduce_scatter, reshard
 from backpack.curvature._fsdp_blocks import ShardedBlocks
+from backpack.curvature._rows import row_batches
 from backpack.curvature.accumulate import accumulate_over
-
-#: what EKFAC on an FSDP2 model supports (named in refusals)
-SUPPORTED_LAYERS = (
-    "EKFAC on a model sharded with FSDP2 (fully_shard) supports blocks of nn.Linear layers and "
-    "torch's convolutions, each called once per forward with its weight and bias used only "
-    "inside its own call"
-)
 
 
 class JustInTime:
@@ -96,27 +91,9 @@ class JustInTime:
             return
         self.release()
         for block, owner, fields in self.parts[module]:
-            shapes = [tuple(v.shape) for v in block.vectors]
-            dtype = block.vectors[0].dtype
-            if owner == self.me:
-                flat = torch.cat([v.reshape(-1) for v in block.vectors]).to(self.device)
-            else:
-                flat = torch.empty(sum(a * b for a, b in shapes), dtype=dtype, device=self.device)
-            try:
-                src = dist.get_global_rank(self.group, owner)
-                dist.broadcast(flat, src=src, group=self.group)
-            except Exception as err:  # pragma: no cover - a rank died or timed out
-                raise RuntimeError(
-                    f"EKFAC (FSDP2) could not broadcast the eigenbasis of {block.name}: a rank "
-                    f"did not get there within {_dist.TIMEOUT_S:g} s "
-                    "(backpack.distributed.TIMEOUT_S)."
-                ) from err
+            values = broadcast_vectors(block, owner, self.group, self.device)
             self.broadcasts += 1
             if owner != self.me:
-                values = [
-                    piece.view(shape)
-                    for piece, shape in zip(flat.split([a * b for a, b in shapes]), shapes)
-                ]
                 for field, value in zip(fields, values):
                     setattr(self.states[module], field, value)
         self.current = module
@@ -152,6 +129,74 @@ class JustInTime:
             self.release()
             for state in self.states.values():
                 state.fetch = None
+
+
+def broadcast_vectors(block: Any, owner: int, group: Any, device: torch.device) -> list[Tensor]:
+    """`block.vectors` (whole on the `owner` rank, shape-only elsewhere) on every rank."""
+    if not block.vectors:
+        return []
+    shapes = [tuple(v.shape) for v in block.vectors]
+    sizes = [int(torch.Size(shape).numel()) for shape in shapes]
+    mine = owner == dist.get_rank(group)
+    if mine:
+        flat = torch.cat([v.reshape(-1) for v in block.vectors]).to(device)
+    else:
+        flat = torch.empty(sum(sizes), dtype=block.vectors[0].dtype, device=device)
+    try:
+        dist.broadcast(flat, src=dist.get_global_rank(group, owner), group=group)
+    except Exception as err:  # pragma: no cover - a rank died or timed out
+        raise RuntimeError(
+            f"EKFAC (FSDP2) could not broadcast the eigenbasis of {block.name}: a rank "
+            f"did not get there within {_dist.TIMEOUT_S:g} s (backpack.distributed.TIMEOUT_S)."
+        ) from err
+    if mine:
+        return list(block.vectors)
+    return [piece.view(shape) for piece, shape in zip(flat.split(sizes), shapes)]
+
+
+def rows_correction(
+    sweep: Any,
+    blocks: list[Any],
+    routing: ShardedBlocks,
+    kind: str,
+    mc_samples: int,
+    device: torch.device,
+) -> tuple[float, int]:
+    """Corrected eigenvalues of `blocks` from per-sample rows, on their owners (FSDP2).
+
+    For the blocks the correction sweep cannot take (embeddings, normalisations, dense blocks,
+    tied or twice-called layers): each rank takes its own samples' rows of whole parameters
+    (`row_batches`, from FSDP's unsharded parameters in the backward), rotates them with each
+    block's eigenbasis, lent by its owner for that block and batch, and the squares are summed
+    onto the owner (`_fsdp._Owned`). Sets the owners' `values`; returns the data's `Σ ν` and
+    number of samples.
+    """
+    group, me = routing.group, routing.me
+    world = dist.get_world_size(group)
+    sums: dict[str, Tensor] = {}
+    total, count = 0.0, 0
+    for batch, rows, nu in row_batches(sweep, kind, mc_samples, "EKFAC eigenvalues"):
+        total += nu
+        count += batch.num_samples
+        for b in blocks:
+            owner = routing.owner[b.name]
+            lent = copy.copy(b)
+            lent.vectors = broadcast_vectors(b, owner, group, device)
+            dtype = lent.vectors[0].dtype if lent.vectors else b.values.dtype
+            picked = {n: rows[n].to(dtype) for n in b.names}
+            squares = lent.squares(lent.gather(picked))
+            item = (_Owned(owner, tuple(squares.shape), world), squares)
+            (received,) = _reduce_scatter(group, [item], "sum EKFAC's corrected eigenvalues")
+            if owner == me:
+                mine = received.view(squares.shape)
+                sums[b.name] = mine.clone() if b.name not in sums else sums[b.name] + mine
+        del rows
+    total, count = _all_sum(group, [], [total, float(count)], None, "EKFAC")
+    normaliser = sweep.total(total)
+    for b in blocks:  # the owner's (the others hold shape-only values)
+        if b.name in sums:
+            b.values = sums[b.name] / normaliser
+    return total, int(count)
 
 
 def check_calls(
@@ -241,13 +286,3 @@ def sharded_correction(
     pieces = {n: local[n].reshape(1, *local[n].shape) for n in routing.names}
     full = routing.collect(pieces, 1, like, "gather EKFAC's corrected eigenvalues")
     return {n: v[0] for n, v in full.items()}, result
-
-
-def refuse_blocks(blocks: list[BlockLayout], why: str) -> NotImplementedError:
-    """The error for blocks the FSDP2 correction sweep cannot take (`why`: the reason)."""
-    names = [b.name for b in blocks]
-    return NotImplementedError(
-        f"{SUPPORTED_LAYERS}; the blocks {names} are not: {why}. Their corrected eigenvalues "
-        "would need per-sample rows of whole parameters. Use KFAC, or build EKFAC on a "
-        "replicated copy of the model with distributed=True (docs: 'Distributed sweeps')."
-    )

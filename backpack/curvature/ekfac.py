@@ -38,7 +38,7 @@ from backpack.curvature._fsdp_blocks import (
     sharded_diagonal,
     sharded_matmul,
 )
-from backpack.curvature._fsdp_eigen import check_calls, refuse_blocks, sharded_correction
+from backpack.curvature._fsdp_eigen import check_calls, rows_correction, sharded_correction
 from backpack.curvature._rows import row_batches
 from backpack.curvature._sweep import Sweep
 from backpack.curvature.accumulate import accumulate_over
@@ -530,12 +530,10 @@ def _correct_sharded(
 ) -> tuple[float, int]:
     """`_correct` on a model sharded with FSDP2: the owners' blocks get corrected eigenvalues.
 
-    Every block must be a target of the eigenbasis rules (or a bias block whose eigenvalues
-    are exact already): the rows the other blocks would need are not available on a sharded
-    model. The sweep is `_fsdp_eigen.sharded_correction` (eigenbases broadcast just in time).
-
-    Raises:
-        NotImplementedError: On every rank, for blocks the sweep cannot take.
+    The blocks of the eigenbasis rules' targets (`nn.Linear` and convolutions called once per
+    forward) take `_fsdp_eigen.sharded_correction` (eigenbases broadcast just in time, squares
+    inside the backward); the others (embeddings, normalisations, dense blocks, tied or
+    twice-called layers) take `rows_correction`, one more sweep of per-sample rows.
     """
     model = sweep.model
     exact = _exact_bias_blocks(model, blocks, kfac_approx) if fisher_type == "type-2" else set()
@@ -543,14 +541,8 @@ def _correct_sharded(
         exact -= _inexact_linear_biases(model, exact, sweep.first_inputs())
     targets = _eigen_targets(model, blocks, exact)
     swept = {n for weight, bias in targets.values() for n in (weight.name, bias and bias.name)}
-    missing = [b for b in blocks if b.name not in swept and b.name not in exact]
-    if missing:  # the same blocks on every rank (the same model)
-        raise refuse_blocks(
-            missing,
-            "they are not nn.Linear or convolution blocks in Kronecker eigenbases of their "
-            "layer's orientation (embeddings, normalisations, other layers' dense blocks, tied "
-            "weights, parametrized layers)",
-        )
+    # blocks the correction sweep cannot take: from per-sample rows (`rows_correction`)
+    rest = [b for b in blocks if b.name not in swept and b.name not in exact]
     swept_params = {m: _swept_params(m, pair) for m, pair in targets.items()}
     error, ok, width = None, [], 1
     try:
@@ -559,32 +551,36 @@ def _correct_sharded(
     except Exception as err:  # noqa: BLE001 - agreed with the other ranks first
         error = err
     table = routing.agree(error, [float(x) for x in ok] or [0.0] * len(targets), "check layers")
-    bad = [w for (w, _), good in zip(targets.values(), table.min(0).values.tolist()) if not good]
-    if bad:
-        raise refuse_blocks(
-            bad,
-            "their layers are called more than once per forward, their parameters are also "
-            "used outside the layer's own call, or the layer computes in another dtype than its "
-            "factors' (FSDP2's mixed precision) (checked on every rank's first batch)",
-        )
-    columns = {"type-2": width, "mc": mc_samples, "empirical": 1}[fisher_type]
-    states = _eigen_states(targets, columns)
-    extension = _diagonal_extension(fisher_type, mc_samples)
-    try:
-        diagonal, result = sharded_correction(sweep, routing, targets, states, extension, device)
-    except NotImplementedError as err:
-        raise refuse_blocks(
-            [w for w, _ in targets.values()],
-            f"backpack's engine needs per-sample quantities of their layers ({err})",
-        ) from err
-    # SumGradSquared holds Σ_n (∇ℓ_n / ν)²: one factor ν back to R Σ_n (qᵀ∇ℓ_n)²
-    scale = result.normaliser if fisher_type == "empirical" else 1.0
-    for weight, bias in targets.values():
-        for block in (weight, bias):
-            if block is None or routing.owner[block.name] != routing.me:
-                continue
-            _set_corrected(block, diagonal, scale)
-    return result.total, result.num_samples
+    good = table.min(0).values.tolist() if targets else []
+    for (weight, bias), keep in zip(list(targets.values()), good):
+        if not keep:  # called twice, used outside its call, or computing in another dtype
+            rest += [weight] + ([bias] if bias is not None else [])
+    targets = {m: pair for (m, pair), keep in zip(targets.items(), good) if keep}
+    total, count = 0.0, 0
+    if targets:
+        columns = {"type-2": width, "mc": mc_samples, "empirical": 1}[fisher_type]
+        states = _eigen_states(targets, columns)
+        extension = _diagonal_extension(fisher_type, mc_samples)
+        try:
+            diagonal, result = sharded_correction(
+                sweep, routing, targets, states, extension, device
+            )
+        except NotImplementedError:  # the engine needs per-sample quantities of a layer
+            rest += [b for pair in targets.values() for b in pair if b is not None]
+            targets = {}
+    if targets:
+        # SumGradSquared holds Σ_n (∇ℓ_n / ν)²: one factor ν back to R Σ_n (qᵀ∇ℓ_n)²
+        scale = result.normaliser if fisher_type == "empirical" else 1.0
+        for weight, bias in targets.values():
+            for block in (weight, bias):
+                if block is None or routing.owner[block.name] != routing.me:
+                    continue
+                _set_corrected(block, diagonal, scale)
+        total, count = result.total, result.num_samples
+    if rest:
+        kind = _ROWS[fisher_type]
+        total, count = rows_correction(sweep, rest, routing, kind, mc_samples, device)
+    return total, count
 
 
 class EKFAC(CurvatureOperator):
@@ -618,10 +614,10 @@ class EKFAC(CurvatureOperator):
     On a model sharded with FSDP2 (`fully_shard`) each block's eigenbasis and corrected
     eigenvalues live on its KFAC owner (`owners`); the correction sweep broadcasts each layer's
     eigenbases from their owners just before the layer's backward and frees them after (one
-    layer's at a time per rank). Only `nn.Linear` and convolution blocks (called once per
-    forward, parameters used only in their call, no mixed precision) are supported; others are
-    refused on every rank. Vectors, products and the other methods are as for `KFAC` on FSDP2
-    (docs: "Distributed sweeps", FSDP2).
+    layer's at a time per rank) for `nn.Linear` and convolution blocks (called once per forward,
+    parameters used only in their call, no mixed precision); the other blocks take a sweep of
+    per-sample rows, each block's eigenbasis lent by its owner per batch. Vectors, products and
+    the other methods are as for `KFAC` on FSDP2 (docs: "Distributed sweeps", FSDP2).
 
     Its scale is the data-set loss's, like `KFAC`'s: the corrected eigenvalues are
     `R Σ_r (q_kᵀ u_r)²` with `R` the reduction factor (`1/ν` or 1). Cost: one sweep for the

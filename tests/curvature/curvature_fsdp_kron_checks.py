@@ -332,21 +332,19 @@ MAIN: list[tuple[str, Callable]] = [
 ]
 
 
-def ekfac_refusals(rank: int, world: int) -> None:
-    """What EKFAC refuses on FSDP2 models, on every rank; Monte-Carlo draws; the eigenbases a
-    rank holds during the correction sweep (one layer's besides its own)."""
+def ekfac_rows(rank: int, world: int) -> None:
+    """EKFAC on FSDP2 models with blocks the correction sweep cannot take (an embedding, a layer
+    called twice, a weight used outside its layer's call, FSDP2's mixed precision): their
+    corrected eigenvalues from per-sample rows, equal to one process's; Monte-Carlo draws; the
+    eigenbases a rank holds during the correction sweep (one layer's besides its own)."""
     from torch import nn
     from torch.distributed.fsdp import fully_shard
 
     from backpack.curvature import _fsdp_eigen
 
-    supported = "supports blocks of nn.Linear layers and torch's convolutions"
-    # an embedding: its corrected eigenvalues would need per-sample rows
-    problem, mine, _, _, _ = fsdp_shards("token_ce", rank, world)
-    model = fsdp_model(problem, nested=True)
-    run = lambda: EKFAC(model, problem.make_loss("sum"), mine)  # noqa: E731
-    _expect_everywhere(run, NotImplementedError, "'emb.weight'")
-    _expect_everywhere(run, NotImplementedError, supported)
+    problem, mine, everything, _, _ = fsdp_shards("token_ce", rank, world)
+    model, ref = fsdp_model(problem, nested=True), problem.model()
+    compare_ekfac(model, ref, problem.make_loss("sum"), mine, everything, rank, world)
 
     class Outside(nn.Module):
         def __init__(self, twice: bool) -> None:
@@ -362,16 +360,18 @@ def ekfac_refusals(rank: int, world: int) -> None:
                 return self.c(self.b(torch.tanh(self.b(h))))
             return self.c(self.b(h)) + 0.1 * h @ self.c.weight.T  # outside c.s call
 
-    problem, mine, _, _, _ = fsdp_shards("mlp_ce", rank, world)
+    problem, mine, everything, _, _ = fsdp_shards("mlp_ce", rank, world)
     for twice in (False, True):
-        model = Outside(twice).double()
+        model, ref = Outside(twice).double(), Outside(twice).double()
         fully_shard(model)
-        run = lambda model=model: EKFAC(model, problem.make_loss("mean"), mine)  # noqa: E731
-        _expect_everywhere(run, NotImplementedError, "'b.weight'" if twice else "'c.weight'")
-    # FSDP2's mixed precision: the layers compute in float32, the factors are float64
+        compare_ekfac(model, ref, problem.make_loss("mean"), mine, everything, rank, world)
+    # FSDP2's mixed precision: the layers compute in float32, the factors are float64; rows
+    # cast to the factors' dtype: one process's float64 numbers to float32's rounding
     model = fsdp_model(problem, nested=True, param_dtype=torch.float32)
-    run = lambda: EKFAC(model, problem.make_loss("mean"), mine)  # noqa: E731
-    _expect_everywhere(run, NotImplementedError, "mixed precision")
+    op = EKFAC(model, problem.make_loss("mean"), mine)
+    expected = EKFAC(problem.model(), problem.make_loss("mean"), everything, distributed=False)
+    for block, values in op.corrected.items():
+        torch.testing.assert_close(values, expected.corrected[block], rtol=1e-4, atol=1e-6)
     # the eigenbases a rank holds while the correction sweep runs
     model = fsdp_model(problem, nested=True)
     held, instances, fetch = [], [], _fsdp_eigen.JustInTime.fetch
@@ -424,7 +424,7 @@ EKFAC_CASES: list[tuple[str, Callable]] = [
     ),
     ("ekfac-reduce", ekfac_operator_case("cnn_ce", "mean", nested=True, kfac_approx="reduce")),
     ("ekfac-tokens", ekfac_tokens),
-    ("ekfac-refusals", ekfac_refusals),
+    ("ekfac-rows", ekfac_rows),
 ]
 SCENARIOS = {"main": MAIN, "ekfac": EKFAC_CASES}
 

@@ -36,6 +36,7 @@ CASES = [
     ("tokens", "kfac", "type-2", True),
     ("gpt", "diagonal", "empirical", True),
     ("gpt", "kfac", "type-2", True),
+    ("gpt", "ekfac", "empirical", False),  # embeddings and norms: corrected from rows
 ]
 TOL = {"rtol": 1e-8, "atol": 1e-10}
 
@@ -83,7 +84,9 @@ def check(name: str, strategy: str, fisher: str, nested: bool, rank: int, world:
         for a, b in zip(ours.blocks, whole.blocks, strict=True):
             assert a.name == b.name and a.names == b.names
             if ours.placement.owns(a.name):
-                close(a.values, b.values, f"eigenvalues of {a.name}")
+                # as multisets: tied eigenvalues of a factor may come in another order
+                sort = lambda v: v.flatten().sort().values  # noqa: E731
+                close(sort(a.values), sort(b.values), f"eigenvalues of {a.name}")
                 held += a.values.numel()
             else:
                 assert a.values.device.type == "meta", a.name
