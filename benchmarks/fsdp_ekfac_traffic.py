@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.fsdp_kron_memory import WIDTHS, _bytes, _model, spawn_rows
+from benchmarks.fsdp_kron_memory import WIDTHS, _bytes, mlp, spawn_rows
 
 #: samples per batch and batches per rank
 BATCH, BATCHES = 32, 4
@@ -54,7 +54,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         held[0] = max(held[0], _bytes(t for t in foreign if t is not None))
 
     _fsdp_eigen.JustInTime.fetch = counting
-    model = _model()
+    model = mlp()
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer)

@@ -22,21 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.fsdp_kron_memory import spawn_rows
+from benchmarks.fsdp_kron_memory import mlp, spawn_rows
 
 #: the MLP's widths: five Linear layers of different sizes
 WIDTHS = (256, 1024, 768, 1024, 512, 10)
 QUERIES, BATCH, BATCHES = 16, 32, 2
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(WIDTHS[:-1], WIDTHS[1:])):
-        layers.append(nn.Linear(a, b))
-        if i < len(WIDTHS) - 2:
-            layers.append(nn.Tanh())
-    return nn.Sequential(*layers)
 
 
 def _bytes(tensors) -> int:
@@ -68,7 +58,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     from backpack.influence import fit
     from backpack.influence._scoring import query_rows
 
-    model = _model()
+    model = mlp(WIDTHS)
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer)

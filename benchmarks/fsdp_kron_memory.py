@@ -27,12 +27,13 @@ from benchmarks.distributed import free_port
 WIDTHS = (64, 256, 192, 256, 128, 10)
 
 
-def _model() -> nn.Module:
+def mlp(widths: tuple[int, ...] = WIDTHS) -> nn.Module:
+    """Linear layers of `widths` with Tanh between them (seeded)."""
     torch.manual_seed(0)
     layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(WIDTHS[:-1], WIDTHS[1:])):
+    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
         layers.append(nn.Linear(a, b))
-        if i < len(WIDTHS) - 2:
+        if i < len(widths) - 2:
             layers.append(nn.Tanh())
     return nn.Sequential(*layers)
 
@@ -57,7 +58,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         return reduce_scatter(output, flat, **kwargs)
 
     _fsdp._REDUCE_SCATTER = counting
-    model = _model()
+    model = mlp()
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer)

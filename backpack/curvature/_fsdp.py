@@ -647,6 +647,28 @@ def lockstep(batches: Any, what: str, key: Any = None) -> Any:
         index += 1
 
 
+def batch_results(sweep: Any, work: Any, desc: str, key: Any = None) -> Any:
+    """`(batch, work(batch))` for each batch of `sweep`; on an FSDP2 model in lockstep.
+
+    On FSDP2 (`sweep.sharded`) the ranks take their batches together (`lockstep`, with `key`)
+    and agree after each batch's `work`, so that an error on one rank raises on every rank.
+    """
+    batches = sweep.batches(desc)
+    if sweep.sharded:
+        batches = lockstep(batches, sweep.what, key)
+    for batch in batches:
+        error, result = None, None
+        try:
+            result = work(batch)
+        except Exception as err:  # noqa: BLE001 - on FSDP2 agreed with the other ranks first
+            error = err
+        if sweep.sharded:
+            agree_done(error, sweep.what)
+        elif error is not None:
+            raise error
+        yield batch, result
+
+
 def agree_done(error: BaseException | None, what: str) -> None:
     """After a rank's part of a batch: raise its error, or on every rank one naming who failed."""
     table = _gather(_dist._group(), [float(error is not None)], "agree on a batch", what)

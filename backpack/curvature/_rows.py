@@ -20,7 +20,7 @@ from torch import Tensor
 
 from backpack.api import backpack
 from backpack.curvature._data import Batch, first_tensor
-from backpack.curvature._fsdp import agree_done, landing, lockstep, plain_zeros
+from backpack.curvature._fsdp import batch_results, landing, plain_zeros
 from backpack.curvature._sweep import Sweep
 from backpack.extensions import BatchGrad, SqrtGGNExact, SqrtGGNMC
 
@@ -49,19 +49,9 @@ def row_batches(
         extension, field = SqrtGGNExact(), "sqrt_ggn_exact"
     else:
         extension, field = SqrtGGNMC(mc_samples=mc_samples), "sqrt_ggn_mc"
-    batches = sweep.batches(desc)
-    if sweep.sharded:  # FSDP2: every rank takes a batch (its collectives), rows from its own
-        batches = lockstep(batches, sweep.what)
-    for batch in batches:
-        error, rows, nu = None, {}, 0.0
-        try:
-            rows, nu = _batch_rows(sweep, params, batch, extension, field, kind)
-        except Exception as err:  # noqa: BLE001 - on FSDP2 agreed with the other ranks first
-            error = err
-        if sweep.sharded:
-            agree_done(error, sweep.what)
-        elif error is not None:
-            raise error
+    # on FSDP2 every rank takes a batch (its collectives), rows from its own samples
+    work = lambda batch: _batch_rows(sweep, params, batch, extension, field, kind)  # noqa: E731
+    for batch, (rows, nu) in batch_results(sweep, work, desc):
         yield batch, rows, nu
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
+from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 import torch
@@ -55,7 +56,15 @@ from backpack.curvature._fsdp_products import (
 from backpack.curvature._sweep import Sweep
 from backpack.curvature.accumulate import accumulate_over
 from backpack.curvature.cg import CGInfo, NotPositiveDefiniteError, conjugate_gradients
-from backpack.extensions import BatchGrad, DiagGGNExact, DiagHessian, SqrtGGNMC, SumGradSquared
+from backpack.extensions import (
+    BatchGrad,
+    DiagGGNExact,
+    DiagGGNMC,
+    DiagHessian,
+    SqrtGGNMC,
+    SumGradSquared,
+)
+from backpack.rules.losses import find_loss_rule
 
 __all__ = ["CurvatureOperator", "CGInverse", "GGN", "Hessian", "EmpiricalFisher"]
 
@@ -786,24 +795,41 @@ class GGN(_DataOperator):
             raise ValueError(f"mc_samples must be None or a positive integer, got {mc_samples!r}.")
         self.mc_samples = mc_samples
         self.seed = seed
-        if mc_samples is not None and self.layout is not None:
-            raise NotImplementedError(
-                "GGN(mc_samples=...) does not support a model sharded with FSDP2 (fully_shard): "
-                "its sampled square-root factors are per-sample rows of whole parameters. Use "
-                "the exact GGN (mc_samples=None), or KFAC(fisher_type='mc')."
-            )
 
     def _matmat(self, V: Tensor) -> Tensor:
         if self.mc_samples is None:
             with _twice_differentiable(type(self).__name__):
                 return super()._matmat(V)
+        if self.layout is not None:  # FSDP2: the sampled loss factors inside the product
+            with self._mc_draws():
+                return super()._matmat(V)
         return self._mc_sweep(V)
+
+    @contextmanager
+    def _mc_draws(self) -> Iterator[None]:
+        """The seeded draws of every sweep (`seed + rank`; the global RNG forked)."""
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(self.seed + rank_of(self._group))
+            yield
 
     def _sharded_batch(self, batch, blocks, gathering):  # noqa: D102
         output, nu = self._sharded_forward(batch, gathering)
         empty = self.sweep.empty(nu)
         target = output.detach().requires_grad_(True)
-        if not empty:
+        factor = None
+        if not empty and self.mc_samples is not None:
+            # the loss's sampled factor `[M, N, *out]`, drawn as `SqrtGGNMC` draws it
+            record = SimpleNamespace(module=self.lossfunc, args=(output.detach(), batch.y))
+            rule = find_loss_rule(self.lossfunc)
+            if rule is None:
+                raise NotImplementedError(
+                    f"GGN(mc_samples=...) on FSDP2 needs a loss with a sampled Hessian factor "
+                    f"(a backpack loss rule); {type(self.lossfunc).__name__} has none."
+                )
+            rule.check(self.lossfunc, "GGN(mc_samples=...)")
+            factor = rule.sqrt_hessian_sampled(record, self.mc_samples) * self._scale(nu) ** 0.5
+        elif not empty:
             with torch.enable_grad():
                 loss = self.lossfunc(target, batch.y) * self._scale(nu)
                 (slope,) = torch.autograd.grad(loss, target, create_graph=True)
@@ -811,6 +837,9 @@ class GGN(_DataOperator):
         def curvature(jv: Tensor) -> Tensor:
             if empty:  # no loss term, but the same collectives as the other ranks
                 return torch.zeros_like(jv)
+            if factor is not None:  # Σ_m s_m (s_mᵀ J v), sample by sample
+                dims = tuple(range(2, factor.dim()))
+                return (factor * (factor * jv).sum(dims, keepdim=True)).sum(0)
             (hjv,) = torch.autograd.grad(slope, target, jv, retain_graph=True)
             return hjv
 
@@ -862,9 +891,7 @@ class GGN(_DataOperator):
         """Yield each batch's `[M·N_b, P]` factor at the sum scale, and its ν_b (seeded draws)."""
         self.sweep.extend()
         params = trainable(self.model)
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(self.seed + rank_of(self._group))
+        with self._mc_draws():
             for batch in self._sweep("GGN (MC)", seeded=False):
                 with torch.enable_grad():
                     output = self.model(batch.X)
@@ -905,6 +932,9 @@ class GGN(_DataOperator):
 
     def diagonal(self) -> Tensor:
         """The exact diagonal (`DiagGGNExact` over the data), or the MC GGN's own diagonal."""
+        if self.mc_samples is not None and self.layout is not None:  # FSDP2: each rank's shard
+            with self._mc_draws():
+                return self._accumulated(DiagGGNMC(mc_samples=self.mc_samples))[0]
         if self.mc_samples is not None:
             return self._mc_sweep(None)
         return self._accumulated(DiagGGNExact())[0]

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from backpack.api import backpack
 from backpack.curvature._data import Batch, first_tensor
-from backpack.curvature._fsdp import agree_done, landing, lockstep, plain_zeros
+from backpack.curvature._fsdp import batch_results, landing, plain_zeros
 from backpack.curvature._sweep import Sweep
 from backpack.extensions import BatchGrad
 from backpack.extensions.firstorder import FirstOrderModuleExtension
@@ -467,21 +467,9 @@ def site_batches(
     recorder = _Record()
     for cls in classes:
         extension.set_module_extension(cls, recorder, overwrite=True)
-    batches = sweep.batches(desc)
-    if sweep.sharded:
-        key = (lambda b: int(batch_digest((b.X, b.y))[:12], 16)) if same else None
-        batches = lockstep(batches, sweep.what, key)
-    for batch in batches:
-        error, result = None, {}
-        try:
-            result = _batch_sites(sweep, model, lossfunc, params, extension, batch)
-        except Exception as err:  # noqa: BLE001 - on FSDP2 agreed with the other ranks first
-            error = err
-        if sweep.sharded:
-            agree_done(error, sweep.what)
-        elif error is not None:
-            raise error
-        yield batch, result
+    key = (lambda b: int(batch_digest((b.X, b.y))[:12], 16)) if same else None
+    work = lambda batch: _batch_sites(sweep, model, lossfunc, params, extension, batch)  # noqa: E731
+    yield from batch_results(sweep, work, desc, key)
 
 
 def _batch_sites(sweep, model, lossfunc, params, extension, batch) -> dict[str, list[Site]]:

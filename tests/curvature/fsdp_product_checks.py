@@ -206,7 +206,14 @@ def refusals_case(rank: int, world: int) -> None:
     problem, mine, _ = data("mlp_ce", rank, world)
     lossfunc = problem.make_loss("mean")
     model = sharded_model(problem, True)
-    raises(NotImplementedError, "mc_samples", lambda: GGN(model, lossfunc, mine, mc_samples=1))
+    # the Monte-Carlo GGN: each rank draws from seed + rank, as a replicated copy under DDP
+    mc = GGN(model, lossfunc, mine, mc_samples=2, seed=3)
+    replicated = GGN(problem.model(), lossfunc, mine, mc_samples=2, seed=3, distributed=True)
+    V = random_matrix(replicated.shape[0], 2, seed=9)
+    close(mc @ op.local_rows(V), op.local_rows(replicated @ V), "MC GGN products")
+    close(mc @ op.local_rows(V), op.local_rows(replicated @ V), "MC GGN: the same draws again")
+    diagonal = op.local_rows(replicated.diagonal()[:, None])[:, 0]
+    close(mc.diagonal(), diagonal, "MC GGN diagonal")
     raises(ValueError, "distributed=False", lambda: GGN(model, lossfunc, mine, distributed=False))
     dropout = nn.Sequential(nn.Linear(4, 5), nn.Dropout(0.5), nn.Linear(5, 3)).double()
     from torch.distributed.fsdp import fully_shard

@@ -28,8 +28,9 @@ CASES = [
 ]
 
 
-def shard(problem, rank: int, world: int) -> tuple[list, slice]:
-    sizes = SHARDS[world]
+def shard(problem, rank: int, world: int, shards=SHARDS) -> tuple[list, slice]:
+    """Rank `rank`'s batches of the training set (sizes `shards[world]`) and their columns."""
+    sizes = shards[world]
     start = sum(sum(s) for s in sizes[:rank])
     batches, at = [], start
     for size in sizes[rank]:

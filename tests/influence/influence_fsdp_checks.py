@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from distributed_checks import run_checks
+from influence_distributed_checks import shard as distributed_shard
 from influence_problems import PROBLEMS
 
 from backpack import distributed
@@ -59,13 +60,8 @@ def sharded(problem, nested: bool):
 
 
 def shard(problem, rank: int, world: int) -> tuple[list, slice]:
-    sizes = SHARDS[world]
-    start = sum(sum(s) for s in sizes[:rank])
-    batches, at = [], start
-    for size in sizes[rank]:
-        batches.append((problem.X[at : at + size], problem.targets(problem.Y[at : at + size])))
-        at += size
-    return batches, slice(start, at)
+    """Rank `rank`'s batches (`SHARDS`: the same number on every rank) and their columns."""
+    return distributed_shard(problem, rank, world, SHARDS)
 
 
 def check(name: str, strategy: str, fisher: str, nested: bool, rank: int, world: int) -> None:

@@ -165,7 +165,7 @@ def test_damping_per_block_and_roundtrip(tmp_path):
 
 @pytest.mark.parametrize("damping", [None, 0.05])
 def test_diagonal_with_folded_biases_damps_per_layer(damping):
-    """ "diagonal": the same `diag F`, the heuristic λ a mean over the weight and its bias."""
+    """"diagonal": the same `diag F`, the heuristic λ a mean over the weight and its bias."""
     problem = PROBLEMS["mlp"]
     model = problem.model()
     influence = fit(
