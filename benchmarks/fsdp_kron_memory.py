@@ -50,14 +50,18 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
     from backpack.curvature import KFAC, _fsdp
 
-    sent = [0]  # the largest reduce-scatter input of a batch (all of the batch's contributions)
-    reduce_scatter = _fsdp._REDUCE_SCATTER
+    sent = [0]  # the largest buffer a batch's reduce-scatter or reduce sends
+    reduce_scatter, reduce = _fsdp._REDUCE_SCATTER, _fsdp._REDUCE
 
     def counting(output, flat, **kwargs):
         sent[0] = max(sent[0], flat.numel() * flat.element_size())
         return reduce_scatter(output, flat, **kwargs)
 
-    _fsdp._REDUCE_SCATTER = counting
+    def counting_reduce(flat, **kwargs):
+        sent[0] = max(sent[0], flat.numel() * flat.element_size())
+        return reduce(flat, **kwargs)
+
+    _fsdp._REDUCE_SCATTER, _fsdp._REDUCE = counting, counting_reduce
     model = mlp()
     for layer in model:
         if isinstance(layer, nn.Linear):

@@ -52,6 +52,8 @@ from backpack.extensions.backprop_extension import BackpropExtension
 
 #: torch.distributed's reduce-scatter of one flat tensor (renamed in newer torch)
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+#: torch.distributed's reduce onto one rank (a name of its own, for the memory benchmarks)
+_REDUCE = dist.reduce
 
 #: what a sweep of an FSDP2 model supports (named in errors)
 SUPPORTED = (
@@ -255,15 +257,37 @@ def _agreed(
 def _reduce_scatter(group: Any, items: list[tuple[_Shard, Tensor]], what: str) -> list[Tensor]:
     """This rank's chunk of the sum over ranks of each full-size tensor.
 
-    One reduce-scatter per device and dtype: rank g's segment of the flat input holds chunk g
-    of every tensor, padded to the longest segment.
+    One reduce-scatter per device and dtype for the `_Shard` items: rank g's segment of the flat
+    input holds chunk g of every tensor, padded to the longest segment. `_Owned` items (whole
+    on one rank) go by one reduce per owner, device and dtype instead: a reduce-scatter would
+    pad every rank's segment to the most loaded owner's (a `world ×` larger buffer).
     """
     world = dist.get_world_size(group)
     me = dist.get_rank(group)
     buckets: dict[tuple, list[int]] = {}
-    for i, (_, t) in enumerate(items):
-        buckets.setdefault((t.device, t.dtype), []).append(i)
+    owned: dict[tuple, list[int]] = {}
+    for i, (item, t) in enumerate(items):
+        if isinstance(item, _Owned):
+            owned.setdefault((item.owner, t.device, t.dtype), []).append(i)
+        else:
+            buckets.setdefault((t.device, t.dtype), []).append(i)
     out: list[Tensor | None] = [None] * len(items)
+    for (owner, _, _), indices in owned.items():
+        flat = torch.cat([items[i][1].reshape(-1) for i in indices])
+        try:
+            _REDUCE(flat, dst=dist.get_global_rank(group, owner), group=group)
+        except Exception as err:  # pragma: no cover - a rank died or timed out
+            raise RuntimeError(
+                f"accumulate (FSDP2) could not {what}: a rank did not get there within "
+                f"{_dist.TIMEOUT_S:g} s (backpack.distributed.TIMEOUT_S)."
+            ) from err
+        offset = 0
+        for i in indices:
+            shape = items[i][0].shape
+            size = int(torch.Size(shape).numel())
+            out[i] = flat[offset : offset + size].view(shape) if owner == me else flat[:0]
+            offset += size
+        del flat
     for (device, dtype), indices in buckets.items():
         sizes = [
             [
