@@ -3,9 +3,9 @@
 For each number of ranks, that many gloo processes shard a several-layer MLP with `fully_shard`
 (per layer and at the root), build `backpack.curvature.KFAC` over their own batches and count,
 per rank, the bytes of the Kronecker factors it holds (its owned blocks), of those plus their
-eigendecompositions after one product with the damped inverse, and of the largest per-batch
-reduce-scatter input (the batch's scaled full-size contributions of every layer and the
-gradient, transient). Bytes are counted from the tensors, not measured from the allocator. The
+eigendecompositions after one product with the damped inverse, and of the largest buffer a
+batch's collectives send (the reduce onto each owner of its layers' summed factor
+contributions, or the reduce-scatter of the gradient; transient). Bytes are counted from the tensors, not measured from the allocator. The
 header gives the whole model's factors: what every rank would hold with a replicated model.
 """
 
@@ -102,7 +102,7 @@ def main() -> None:
     print(f"MLP {WIDTHS}, float32; the whole model's factors: {_whole()} bytes")
     print(
         "| ranks | factors per rank (bytes) | with eigendecompositions | blocks per rank | "
-        "per-batch reduce-scatter input (bytes) |"
+        "largest per-batch collective buffer (bytes) |"
     )
     print("|---|---|---|---|---|")
     for world in args.ranks:
