@@ -201,7 +201,9 @@ def persistence(rank: int, world: int) -> None:
         close(back.scores(query, local), expected, f"scores after load from {target.name}")
         # the one-process fit loads the FSDP2 fit's files, and the other way round
         close(Influence.load(target, ref, lossfunc).scores(query, train)[:, columns], expected, "1")
-    whole.save(root / "whole", per_module=True)
+    if rank == 0:  # one process's folder, written once
+        whole.save(root / "whole", per_module=True)
+    dist.barrier()
     close(Influence.load(root / "whole", model, lossfunc).scores(query, local), expected, "2")
     ours.save(root / "bf16", dtype=torch.bfloat16, per_module=True)
     half = Influence.load(root / "bf16", model, lossfunc).scores(query, local)
