@@ -5,8 +5,9 @@ For each number of ranks, that many gloo processes shard a several-layer MLP wit
 per rank, the bytes of the Kronecker factors it holds (its owned blocks), of those plus their
 eigendecompositions after one product with the damped inverse, and of the largest buffer a
 batch's collectives send (the reduce onto each owner of its layers' summed factor
-contributions, or the reduce-scatter of the gradient; transient). Bytes are counted from the tensors, not measured from the allocator. The
-header gives the whole model's factors: what every rank would hold with a replicated model.
+contributions, or the reduce-scatter of the gradient; transient). Bytes are counted from the
+tensors, not measured from the allocator. The header gives the whole model's factors: what
+every rank would hold with a replicated model.
 """
 
 from __future__ import annotations
