@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.fsdp_kron_memory import WIDTHS, _bytes, mlp, spawn_rows
+from benchmarks.fsdp_kron_memory import WIDTHS, _bytes, sharded_mlp, spawn_rows
 
 #: samples per batch and batches per rank
 BATCH, BATCHES = 32, 4
@@ -30,8 +30,6 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from torch.distributed.fsdp import fully_shard
-
     from backpack.curvature import EKFAC, _fsdp_eigen
 
     held, sent = [0], [0]
@@ -54,11 +52,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         held[0] = max(held[0], _bytes(t for t in foreign if t is not None))
 
     _fsdp_eigen.JustInTime.fetch = counting
-    model = mlp()
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+    model = sharded_mlp()
     g = torch.Generator().manual_seed(rank)
     data = [
         (torch.randn(BATCH, WIDTHS[0], generator=g), torch.randint(0, 10, (BATCH,), generator=g))

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.fsdp_kron_memory import mlp, spawn_rows
+from benchmarks.fsdp_kron_memory import sharded_mlp, spawn_rows
 
 #: the MLP's widths: five Linear layers of different sizes
 WIDTHS = (256, 1024, 768, 1024, 512, 10)
@@ -53,16 +53,10 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from torch.distributed.fsdp import fully_shard
-
     from backpack.influence import fit
     from backpack.influence._scoring import query_rows
 
-    model = mlp(WIDTHS)
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+    model = sharded_mlp(WIDTHS)
     train = _data(1 + rank, BATCHES)
     query = [(x[: QUERIES // 2], y[: QUERIES // 2]) for x, y in _data(0, 2)]
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

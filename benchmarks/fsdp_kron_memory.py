@@ -39,6 +39,18 @@ def mlp(widths: tuple[int, ...] = WIDTHS) -> nn.Module:
     return nn.Sequential(*layers)
 
 
+def sharded_mlp(widths: tuple[int, ...] = WIDTHS) -> nn.Module:
+    """`mlp(widths)` with `fully_shard` on every Linear layer and at the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = mlp(widths)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
 def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -47,8 +59,6 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from torch.distributed.fsdp import fully_shard
-
     from backpack.curvature import KFAC, _fsdp
 
     sent = [0]  # the largest buffer a batch's reduce-scatter or reduce sends
@@ -63,11 +73,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         return reduce(flat, **kwargs)
 
     _fsdp._REDUCE_SCATTER, _fsdp._REDUCE = counting, counting_reduce
-    model = mlp()
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+    model = sharded_mlp()
     g = torch.Generator().manual_seed(rank)
     data = [(torch.randn(16, WIDTHS[0], generator=g), torch.randint(0, 10, (16,), generator=g))]
     op = KFAC(model, nn.CrossEntropyLoss(), data)

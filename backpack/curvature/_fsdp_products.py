@@ -42,17 +42,6 @@ from backpack.curvature._fsdp import _fsdp_params, _reduce_scatter, _Shard
 _FSDP_HOOK_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable")
 
 
-def reshard(model: nn.Module) -> None:
-    """Reshard every FSDP2 module of `model` (`FSDPModule.reshard`).
-
-    A forward without backward may leave the root's parameters gathered; products and sweeps
-    start from the sharded parameters.
-    """
-    for module in model.modules():
-        if type(module).__name__.startswith("FSDP") and callable(getattr(module, "reshard", None)):
-            module.reshard()
-
-
 def header_group(group: Any) -> Any:
     """The group of the small agreements and sums: backpack's, or the default one alone."""
     if group is not None:

@@ -44,14 +44,13 @@ from backpack.curvature._forward import (
     refuse_unfaithful_gradients,
     refuse_unfixed_forward,
 )
-from backpack.curvature._fsdp import is_fully_sharded
+from backpack.curvature._fsdp import is_fully_sharded, reshard
 from backpack.curvature._fsdp_products import (
     Gathering,
     Layout,
     agree,
     all_sum_values,
     header_group,
-    reshard,
 )
 from backpack.curvature._sweep import Sweep
 from backpack.curvature.accumulate import accumulate_over

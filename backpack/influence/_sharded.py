@@ -176,19 +176,28 @@ def placed(blocks: list[Any], placement: Placement) -> list[Any]:
     return [b if placement.owns(b.name) else meta_like(b) for b in blocks]
 
 
+def lent_block(block: Any, placement: Placement, values_of: Any) -> Any:
+    """`block` whole on every rank, with `values_of(block)` as its values (a collective).
+
+    The owner lends the eigenvectors and values; it keeps its own block when they are its own.
+    """
+    own = placement.owns(block.name)
+    mine = (block.vectors, values_of(block)) if own else None
+    vectors, values = placement.lend(block.name, mine)
+    if own and values is block.values:
+        return block
+    out = copy.copy(block)
+    out.vectors, out.values = list(vectors), values
+    return out
+
+
 def lent_blocks(
     blocks: list[Any], scale_of: Any, placement: Placement
 ) -> Iterable[tuple[Any, Tensor]]:
     """Each block whole with its damped inverse eigenvalues `scale_of(block)`, one at a time."""
     for b in blocks:
-        own = placement.owns(b.name)
-        vectors, scale = placement.lend(b.name, (b.vectors, scale_of(b)) if own else None)
-        if own:
-            yield b, scale
-            continue
-        lent = copy.copy(b)
-        lent.vectors, lent.values = list(vectors), scale
-        yield lent, scale
+        lent = lent_block(b, placement, scale_of)
+        yield lent, lent.values
 
 
 def place(model: nn.Module, blocks: list[Any] | None) -> Placement:
@@ -210,12 +219,7 @@ def whole_blocks(blocks: list[Any], placement: Placement, keep: bool = True) -> 
     """Every block whole, lent by its owner in turn (a collective); `keep=False`: none kept."""
     out = []
     for b in blocks:
-        own = placement.owns(b.name)
-        vectors, values = placement.lend(b.name, (b.vectors, b.values) if own else None)
-        if keep and own:
-            out.append(b)
-        elif keep:
-            lent = copy.copy(b)
-            lent.vectors, lent.values = list(vectors), values
+        lent = lent_block(b, placement, lambda block: block.values)
+        if keep:
             out.append(lent)
     return out

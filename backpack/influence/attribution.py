@@ -139,7 +139,8 @@ def _sharded_diagonal(sweep, fisher, mc_samples, seed, folded, params):
     members = {
         n: [n] + ([folded[n]] if folded.get(n) in biases else []) for n in names if n not in biases
     }
-    sizes = {b: sum(dict(params)[n].numel() for n in group) for b, group in members.items()}
+    numels = {n: p.numel() for n, p in params}
+    sizes = {b: sum(numels[n] for n in group) for b, group in members.items()}
     placement = Placement.balanced(sizes, members, device_of(sweep.model))
     owner = {n: placement.owner[b] for b, group in members.items() for n in group}
     mine = placement.owned_names()

@@ -490,6 +490,12 @@ class Reference:
     def query_grads(self) -> Tensor:
         return self.grads(self.problem.Xq, self.problem.Yq)
 
+    def query_rows(self) -> dict[str, Tensor]:
+        """The query gradients per parameter, `{name: [Q, *shape]}`."""
+        q = self.query_grads()
+        pieces = q.split(self.numels, 1)
+        return {n: t.reshape(q.shape[0], *s) for n, t, s in zip(self.names, pieces, self.shapes)}
+
     def empirical_fisher(self) -> Tensor:
         """`(1/N) Σ_n ∇ℓ_n ∇ℓ_nᵀ`."""
         G = self.train_grads()

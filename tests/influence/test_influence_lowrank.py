@@ -36,11 +36,7 @@ def _reference(problem, strategy: str, rank: int | None, per_token: bool = False
     influence = fit(model, lossfunc, train, strategy, damping=0.1, fisher="type-2")
     ref = Reference(problem, model)
     shapes = dict(zip(ref.names, ref.shapes))
-    q = ref.query_grads()
-    rows = {
-        n: t.reshape(q.shape[0], *s)
-        for n, t, s in zip(ref.names, q.split(ref.numels, 1), ref.shapes)
-    }
+    rows = ref.query_rows()
     M = influence.precondition(rows)
     if rank is not None:
         M = _truncated(M, shapes, rank)
@@ -110,11 +106,7 @@ def test_beats_joint_truncation_of_weight_and_bias():
         model, problem.make_loss("mean"), problem.train(4), "ekfac", separate_weight_and_bias=False
     )
     ref = Reference(problem, model)
-    q = ref.query_grads()
-    rows = {
-        n: t.reshape(q.shape[0], *s)
-        for n, t, s in zip(ref.names, q.split(ref.numels, 1), ref.shapes)
-    }
+    rows = ref.query_rows()
     M = influence.precondition(rows)
     for layer in ("0", "2"):
         W, b = M[f"{layer}.weight"], M[f"{layer}.bias"]
@@ -186,11 +178,7 @@ def test_fisher_norm_truncation(name, strategy, folded):
     )
     ref = Reference(problem, model)
     shapes = dict(zip(ref.names, ref.shapes))
-    q = ref.query_grads()
-    rows = {
-        n: t.reshape(q.shape[0], *s)
-        for n, t, s in zip(ref.names, q.split(ref.numels, 1), ref.shapes)
-    }
+    rows = ref.query_rows()
     M = _weighted_reference(influence, influence.precondition(rows), shapes, 1)
     expected = torch.cat([M[n] for n in ref.names], dim=1) @ ref.train_grads().T
     got = influence.scores(problem.query(2), train, query_rank=1)

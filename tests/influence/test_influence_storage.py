@@ -33,11 +33,7 @@ def test_per_module_scores_sum_to_total(strategy, per_token):
     assert torch.allclose(sum(parts.values()), total, atol=1e-12 * total.abs().max(), rtol=0)
     # each module's part is its parameters' dot products (brute force, float64)
     ref = Reference(problem, model)
-    q = ref.query_grads()
-    rows = {
-        n: t.reshape(q.shape[0], *s)
-        for n, t, s in zip(ref.names, q.split(ref.numels, 1), ref.shapes)
-    }
+    rows = ref.query_rows()
     M = influence.precondition(rows)
     if not per_token:
         train_grads = dict(zip(ref.names, ref.train_grads().split(ref.numels, 1)))
