@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from distributed_checks import run_checks
 from influence_distributed_checks import shard as distributed_shard
-from influence_problems import PROBLEMS
+from influence_problems import PROBLEMS, TinyGPT
 
 from backpack import distributed
 from backpack.influence import Influence, fit, tracin
@@ -219,10 +219,41 @@ def persistence(rank: int, world: int) -> None:
     close(grads, want, "gradients")
 
 
+def tied(rank: int, world: int) -> None:
+    """A GPT whose head shares the token embedding (one parameter, two calls; root-only
+    sharding): fits and scores equal one process's on the same batches.
+
+    The tied weight's Kronecker factors combine its two calls per batch (not linear in the
+    batch), so the reference sweeps every rank's batches as they are, in rank order.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    problem = PROBLEMS["gpt"]
+    torch.manual_seed(1)
+    model = TinyGPT(tied=True).double()
+    torch.manual_seed(1)
+    ref = TinyGPT(tied=True).double()
+    fully_shard(model)
+    lossfunc = problem.make_loss("mean")
+    local, columns = shard(problem, rank, world)
+    train = [batch for r in range(world) for batch in shard(problem, r, world)[0]]
+    query = problem.query()
+    for strategy in ("identity", "kfac", "ekfac"):
+        ours = fit(model, lossfunc, local, strategy, 1e-2, fisher="type-2")
+        whole = fit(ref, lossfunc, train, strategy, 1e-2, fisher="type-2", distributed=False)
+        expected = whole.scores(query, train)[:, columns]
+        close(ours.scores(query, local), expected, f"{strategy} scores, tied")
+        close(ours.self_scores(local), whole.self_scores(train)[columns], f"{strategy} self, tied")
+
+
 #: `{scenario: [(label, check(rank, world))]}`
 SCENARIOS = {
     "fits": [("-".join(map(str, case)), partial(check, *case)) for case in CASES],
-    "more": [("query-must-agree", query_must_agree), ("persistence", persistence)],
+    "more": [
+        ("query-must-agree", query_must_agree),
+        ("persistence", persistence),
+        ("tied", tied),
+    ],
 }
 
 
