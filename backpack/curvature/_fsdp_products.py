@@ -158,7 +158,7 @@ def _param_dtypes(model: nn.Module) -> dict[int, torch.dtype | None]:
     return found
 
 
-def all_gather_param(shard: _Shard, local: Tensor, group: Any) -> Tensor:
+def all_gather_param(shard: _Shard | Columns, local: Tensor, group: Any) -> Tensor:
     """The full parameter from every rank's local shard (plain tensors, one all-gather)."""
     world = shard.world
     dim = shard.dim
@@ -181,6 +181,33 @@ def all_gather_param(shard: _Shard, local: Tensor, group: Any) -> Tensor:
     ordered = sorted(range(world), key=lambda g: shard.chunk_of[g])
     parts = [pieces[g].narrow(dim, 0, shard.chunk_shape(shard.chunk_of[g])[dim]) for g in ordered]
     return torch.cat(parts, dim=dim)
+
+
+class Columns:
+    """A parameter's `_Shard` seen with K trailing columns: `[*shape, K]` tensors.
+
+    Chunked along the parameter's own dimension, so `all_gather_param` and `reduce` move K
+    vectors of the parameter's layout in one collective.
+    """
+
+    def __init__(self, shard: _Shard, count: int) -> None:
+        self.shard, self.count = shard, count
+        self.name, self.dim, self.world = shard.name, shard.dim, shard.world
+        self.chunk_of = shard.chunk_of
+        self.shape = (*shard.shape, count)
+
+    def chunk_shape(self, index: int) -> tuple[int, ...]:
+        return (*self.shard.chunk_shape(index), self.count)
+
+    def chunk(self, value: Tensor, index: int) -> Tensor:
+        return self.shard.chunk(value, index)
+
+    def reduce(self, full: Tensor, group: Any, what: str) -> Tensor:
+        """This rank's chunk `[*local shape, K]` of `full` summed over the ranks."""
+        if self.world == 1:
+            return full
+        (mine,) = _reduce_scatter(group, [(self, full.contiguous())], what)  # type: ignore[list-item]
+        return mine
 
 
 class _Gather(torch.autograd.Function):

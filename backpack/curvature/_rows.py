@@ -43,20 +43,26 @@ def row_batches(
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}.")
     sweep.extend()
     params = sweep.trainable()
+    # on FSDP2 every rank takes a batch (its collectives), rows from its own samples
+    work = lambda batch: batch_rows(sweep, params, batch, kind, mc_samples)  # noqa: E731
+    for batch, (rows, nu) in batch_results(sweep, work, desc):
+        yield batch, rows, nu
+
+
+def batch_rows(
+    sweep: Sweep, params: list, batch: Batch, kind: str = "grad", mc_samples: int = 1
+) -> tuple[dict[str, Tensor], float]:
+    """One batch of `row_batches`: `({name: rows}, ν_b)` (the model and loss `extend`-ed).
+
+    `params`: `sweep.trainable()`. On FSDP2 the rows are of whole parameters (FSDP's
+    unsharded ones, in its own backward), a collective of every rank.
+    """
     if kind == "grad":
         extension, field = BatchGrad(), "grad_batch"
     elif kind == "type-2":
         extension, field = SqrtGGNExact(), "sqrt_ggn_exact"
     else:
         extension, field = SqrtGGNMC(mc_samples=mc_samples), "sqrt_ggn_mc"
-    # on FSDP2 every rank takes a batch (its collectives), rows from its own samples
-    work = lambda batch: _batch_rows(sweep, params, batch, extension, field, kind)  # noqa: E731
-    for batch, (rows, nu) in batch_results(sweep, work, desc):
-        yield batch, rows, nu
-
-
-def _batch_rows(sweep, params, batch, extension, field: str, kind: str):
-    """One batch of `row_batches`: `({name: rows}, ν_b)`."""
     model, lossfunc = sweep.model, sweep.lossfunc
     with torch.enable_grad():
         output = model(batch.X)

@@ -46,12 +46,15 @@ from backpack.curvature._forward import (
 )
 from backpack.curvature._fsdp import is_fully_sharded, reshard
 from backpack.curvature._fsdp_products import (
+    Columns,
     Gathering,
     Layout,
     agree,
+    all_gather_param,
     all_sum_values,
     header_group,
 )
+from backpack.curvature._rows import batch_rows
 from backpack.curvature._sweep import Sweep
 from backpack.curvature.accumulate import accumulate_over
 from backpack.curvature.cg import CGInfo, NotPositiveDefiniteError, conjugate_gradients
@@ -593,15 +596,15 @@ class _DataOperator(CurvatureOperator):
                 assert batch is not None
                 # the forward and the loss, then (every rank ready) the backward passes: an error
                 # in the loss (a target of the wrong shape) is agreed before any backward
-                nu, finish, error = 0.0, None, None
+                nu, vote, finish, error = 0.0, 0.0, None, None
                 try:
-                    nu, finish = self._sharded_batch(batch, blocks, Gathering(self.layout))
+                    nu, vote, finish = self._sharded_batch(batch, blocks, Gathering(self.layout))
                 except Exception as err:  # noqa: BLE001 - agreed with the other ranks first
                     error = err
-                table = agree(group, [nu], error, f"{what}, batch {index}")
+                table = agree(group, [nu, vote], error, f"{what}, batch {index}")
                 error = None
                 try:
-                    finish(out)
+                    finish(out, bool(table[:, 1].any()))
                 except Exception as err:  # noqa: BLE001 - agreed with the other ranks first
                     error = err
                 agree(group, [], error, f"{what}, batch {index}")
@@ -613,12 +616,13 @@ class _DataOperator(CurvatureOperator):
 
     def _sharded_batch(
         self, batch: Batch, blocks: list[Tensor], gathering: Gathering
-    ) -> tuple[float, Callable[[Tensor], None]]:
-        """The batch's forward and loss; returns `ν_b` and `finish`.
+    ) -> tuple[float, float, Callable[[Tensor, bool], None]]:
+        """The batch's forward and loss; returns `ν_b`, a vote and `finish`.
 
-        `finish(out)` adds this rank's rows of the batch's product (summed over ranks, at the
-        sum scale) to `out`. `blocks`: the K columns as one `[K, *local shape]` tensor per
-        parameter (`split`).
+        `finish(out, voted)` adds this rank's rows of the batch's product (summed over ranks, at
+        the sum scale) to `out`; `voted`: whether any rank's vote was nonzero (so that every
+        rank takes the same way, with the same collectives). `blocks`: the K columns as one
+        `[K, *local shape]` tensor per parameter (`split`).
         """
         raise NotImplementedError(
             f"{type(self).__name__} does not support a model sharded with FSDP2 (fully_shard)."
@@ -842,7 +846,10 @@ class GGN(_DataOperator):
             (hjv,) = torch.autograd.grad(slope, target, jv, retain_graph=True)
             return hjv
 
-        return nu, lambda out: self._output_products(output, blocks, gathering, curvature, out)
+        def finish(out: Tensor, voted: bool) -> None:
+            self._output_products(output, blocks, gathering, curvature, out)
+
+        return nu, 0.0, finish
 
     def _batch_product(self, batch, V):  # noqa: D102
         names, params = zip(*trainable(self.model))
@@ -1076,7 +1083,7 @@ class Hessian(_DataOperator):
             else:
                 loss = self.lossfunc(output, batch.y) * self._scale(nu)
 
-        def finish(out: Tensor) -> None:
+        def finish(out: Tensor, voted: bool) -> None:
             variables = gathering.variables
             count = blocks[0].shape[0]
             with torch.enable_grad(), gathering.saving():
@@ -1095,7 +1102,7 @@ class Hessian(_DataOperator):
                     )
                     self._add_column(out, k, hv)
 
-        return nu, finish
+        return nu, 0.0, finish
 
     def _batch_product(self, batch, V):  # noqa: D102
         kept = self._kept
@@ -1214,16 +1221,12 @@ class EmpiricalFisher(_DataOperator):
 
     def _sharded_batch(self, batch, blocks, gathering):  # noqa: D102
         output, nu = self._sharded_forward(batch, gathering)
-        if output.dim() == 0 or output.shape[0] != batch.num_samples:
-            raise NotImplementedError(
-                "EmpiricalFisher on a model sharded with FSDP2 (fully_shard) takes the rows of "
-                "the model's output as its samples; this output has shape "
-                f"{tuple(output.shape)} for {batch.num_samples} samples. Use the GGN, or an "
-                "unsharded copy of the model with distributed=True."
-            )
+        # output rows that are not the samples (flattened tokens): which rows make up a sample
+        # is only known inside the model, so per-sample gradients (`BatchGrad`) take over
+        by_samples = output.dim() > 0 and output.shape[0] == batch.num_samples
         empty = self.sweep.empty(nu)
         rows = None
-        if not empty:
+        if by_samples and not empty:
             target = output.detach().requires_grad_(True)
             with torch.enable_grad():
                 loss = self.lossfunc(target, batch.y) * self._scale(nu)
@@ -1236,7 +1239,42 @@ class EmpiricalFisher(_DataOperator):
             dims = tuple(range(1, jv.dim()))
             return rows * (rows * jv).sum(dim=dims, keepdim=True)
 
-        return nu, lambda out: self._output_products(output, blocks, gathering, curvature, out)
+        kept = [output]
+
+        def finish(out: Tensor, voted: bool) -> None:
+            if voted:  # some rank's rows are not its samples: every rank takes BatchGrad's way
+                kept.clear()  # the product forward's graph
+                self._per_sample_product(batch, blocks, out)
+            else:
+                self._output_products(kept.pop(), blocks, gathering, curvature, out)
+
+        return nu, float(not by_samples), finish
+
+    def _per_sample_product(self, batch: Batch, blocks: list[Tensor], out: Tensor) -> None:
+        """Add this rank's rows of `Σ_n g_n g_nᵀ V` (FSDP2), from `BatchGrad`'s whole rows.
+
+        Each rank takes its samples' gradients of whole parameters in FSDP's own backward,
+        gathers V's rows parameter by parameter for the directional derivatives `g_nᵀ v`, and
+        reduce-scatters `Σ_n g_n (g_nᵀ v)` back onto the shards. Holds a batch's rows of the
+        whole model (`[N_b, P]` on every rank), unlike the output-row products.
+        """
+        layout = self.layout
+        count = blocks[0].shape[0]
+        self.sweep.extend()
+        rows, _ = batch_rows(self.sweep, self.sweep.trainable(), batch, "grad")
+        flat = [rows.pop(s.name).flatten(1) for s in layout.trainable]
+        slopes = None  # [N_b, K]: each sample's directional derivatives g_nᵀ v_k
+        for shard, r, block in zip(layout.trainable, flat, blocks):
+            full = all_gather_param(Columns(shard, count), block.movedim(0, -1), layout.group)
+            part = r @ full.reshape(-1, count).to(r.dtype)
+            slopes = part if slopes is None else slopes + part
+        offset = 0
+        for shard, r, numel in zip(layout.trainable, flat, self.numels):
+            columns = Columns(shard, count)
+            full = (r.T @ slopes).view(columns.shape)
+            mine = columns.reduce(full, layout.group, "reduce an EmpiricalFisher product")
+            out[offset : offset + numel] += mine.reshape(numel, count)
+            offset += numel
 
     def _batch_product(self, batch, V):  # noqa: D102
         self.sweep.extend()
