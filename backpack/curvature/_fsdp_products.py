@@ -91,7 +91,6 @@ class Layout:
         self.header = header_group(header)
         self.group = group = product_group()
         fsdp = _fsdp_params(model)
-        policies = _param_dtypes(model)
         world = dist.get_world_size(group)
         me = dist.get_rank(group)
         self.trainable: list[_Shard] = []
@@ -114,14 +113,6 @@ class Layout:
                     f"{what}: parameter {name} is sharded over ranks {ranks}, not over all "
                     f"{world} ranks: HSDP and sub-meshes are not supported."
                 )
-            param_dtype = policies.get(id(p))
-            if param_dtype is not None and param_dtype != p.dtype:
-                raise NotImplementedError(
-                    f"{what}: parameter {name} is computed in {param_dtype} by FSDP2's "
-                    f"MixedPrecisionPolicy but stored in {p.dtype}; products would differ from "
-                    "the model FSDP2 runs. Shard the model without a param_dtype for the "
-                    "curvature computation."
-                )
             if getattr(fsdp_param, "offload_to_cpu", False):
                 raise NotImplementedError(
                     f"{what}: parameter {name} is offloaded to the CPU by FSDP2's "
@@ -132,6 +123,11 @@ class Layout:
             self.by_id[id(p)] = shard
         if not self.trainable:
             raise ValueError("The model has no trainable parameter.")
+        #: `{module: MixedPrecisionPolicy}` of every module FSDP2's hooks cast inputs or
+        #: outputs of (the products run without those hooks and cast as they would)
+        self.policies = _casting_policies(model)
+        #: `{id(parameter): dtype}` where FSDP2 computes in another dtype than it stores
+        self.compute_dtypes = _param_dtypes(model)
         #: `{module: [(attribute name, shard)]}`: where FSDP2 registers each parameter, whether
         #: the module holds it sharded or unsharded right now
         self.sites: dict[nn.Module, list[tuple[str, _Shard]]] = {}
@@ -143,19 +139,46 @@ class Layout:
                 self.sites.setdefault(module, []).append((attr, shard))
 
 
-def _param_dtypes(model: nn.Module) -> dict[int, torch.dtype | None]:
-    """`{id(sharded parameter): the param_dtype of its MixedPrecisionPolicy}` (set at init)."""
-    found: dict[int, torch.dtype | None] = {}
+def _casting_policies(model: nn.Module) -> dict[nn.Module, Any]:
+    """`{module: its FSDP2 MixedPrecisionPolicy}` where the policy casts inputs or outputs."""
+    found = {}
     for module in model.modules():
         get_state = getattr(module, "_get_fsdp_state", None)
-        if get_state is None:
-            continue
-        state = get_state()
-        group = getattr(state, "_fsdp_param_group", None)
-        policy = getattr(group, "mp_policy", None) or getattr(state, "_mp_policy", None)
-        for fsdp_param in getattr(group, "fsdp_params", None) or []:
-            found[id(fsdp_param.sharded_param)] = getattr(policy, "param_dtype", None)
+        policy = getattr(get_state(), "_mp_policy", None) if get_state is not None else None
+        inputs = getattr(policy, "cast_forward_inputs", False) and policy.param_dtype is not None
+        if inputs or getattr(policy, "output_dtype", None) is not None:
+            found[module] = policy
     return found
+
+
+def _param_dtypes(model: nn.Module) -> dict[int, torch.dtype]:
+    """`{id(sharded parameter): its policy's param_dtype}` where that is not its own dtype.
+
+    Read from the groups' policies (FSDP2 sets `FSDPParam.param_dtype` only at its first
+    forward).
+    """
+    found = {}
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        group = getattr(get_state(), "_fsdp_param_group", None) if get_state else None
+        dtype = getattr(getattr(group, "mp_policy", None), "param_dtype", None)
+        for fsdp_param in getattr(group, "fsdp_params", None) or []:
+            p = fsdp_param.sharded_param
+            if dtype is not None and dtype != p.dtype and p.is_floating_point():
+                found[id(p)] = dtype
+    return found
+
+
+def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
+    """`obj` (nested tuples, lists, dicts) with its floating-point tensors cast to `dtype`."""
+    if isinstance(obj, Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (tuple, list)):
+        cast = [_cast_floats(o, dtype) for o in obj]
+        return type(obj)(*cast) if hasattr(obj, "_fields") else type(obj)(cast)
+    if isinstance(obj, dict):
+        return type(obj)((k, _cast_floats(v, dtype)) for k, v in obj.items())
+    return obj
 
 
 def all_gather_param(shard: _Shard | Columns, local: Tensor, group: Any) -> Tensor:
@@ -242,10 +265,10 @@ class _Scatter(torch.autograd.Function):
 class _Token:
     """What autograd keeps instead of a gathered parameter (or a view of its storage)."""
 
-    __slots__ = ("shard", "local", "size", "stride", "offset")
+    __slots__ = ("shard", "local", "size", "stride", "offset", "dtype")
 
     def __init__(self, shard: _Shard, local: Tensor, t: Tensor) -> None:
-        self.shard, self.local = shard, local
+        self.shard, self.local, self.dtype = shard, local, t.dtype
         self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
 
 
@@ -274,10 +297,13 @@ class Gathering:
         return [self.leaves[id(s.param)] for s in self.layout.trainable]
 
     def gather(self, shard: _Shard, local: Tensor) -> Tensor:
+        """The whole parameter, in the dtype FSDP2 computes with (its `param_dtype`)."""
         if local.requires_grad:
             full = _Gather.apply(local, shard, self.group)
         else:
             full = all_gather_param(shard, local, self.group)
+        # in the dtype FSDP2 computes in; autograd casts the derivatives back
+        full = full.to(self.layout.compute_dtypes.get(id(shard.param), full.dtype))
         self._owned[full.untyped_storage()] = (shard, local)
         return full
 
@@ -297,7 +323,7 @@ class Gathering:
         if not isinstance(packed, _Token):
             return packed
         # gathered parameters are contiguous from offset 0, so the geometry carries over
-        full = all_gather_param(packed.shard, packed.local, self.group)
+        full = all_gather_param(packed.shard, packed.local, self.group).to(packed.dtype)
         self._owned[full.untyped_storage()] = (packed.shard, packed.local)
         return full.as_strided(packed.size, packed.stride, packed.offset)
 
@@ -333,7 +359,32 @@ class Gathering:
                 stack.callback(restore)
                 stack.callback(module.register_forward_pre_hook(pre).remove)
                 stack.callback(module.register_forward_hook(post, always_call=True).remove)
+            for module, policy in self.layout.policies.items():
+                stack.enter_context(_casting(module, policy))
             yield
+
+
+@contextmanager
+def _casting(module: nn.Module, policy: Any) -> Iterator[None]:
+    """`module`'s inputs and outputs cast as FSDP2's hooks cast them under `policy`."""
+
+    def pre(mod: nn.Module, args: Any, kwargs: Any) -> Any:
+        if policy.cast_forward_inputs and policy.param_dtype is not None:
+            return _cast_floats(args, policy.param_dtype), _cast_floats(kwargs, policy.param_dtype)
+        return None
+
+    def post(mod: nn.Module, args: Any, output: Any) -> Any:
+        return _cast_floats(output, policy.output_dtype) if policy.output_dtype else None
+
+    handles = [
+        module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True),
+        module.register_forward_hook(post),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _is_subclass(t: Tensor) -> bool:

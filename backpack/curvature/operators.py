@@ -1262,11 +1262,12 @@ class EmpiricalFisher(_DataOperator):
         count = blocks[0].shape[0]
         self.sweep.extend()
         rows, _ = batch_rows(self.sweep, self.sweep.trainable(), batch, "grad")
-        flat = [rows.pop(s.name).flatten(1) for s in layout.trainable]
+        # in V's dtype: under FSDP2's mixed precision the rows come in its param_dtype
+        flat = [rows.pop(s.name).flatten(1).to(b.dtype) for s, b in zip(layout.trainable, blocks)]
         slopes = None  # [N_b, K]: each sample's directional derivatives g_nᵀ v_k
         for shard, r, block in zip(layout.trainable, flat, blocks):
             full = all_gather_param(Columns(shard, count), block.movedim(0, -1), layout.group)
-            part = r @ full.reshape(-1, count).to(r.dtype)
+            part = r @ full.reshape(-1, count)
             slopes = part if slopes is None else slopes + part
         offset = 0
         for shard, r, numel in zip(layout.trainable, flat, self.numels):

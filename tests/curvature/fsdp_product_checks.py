@@ -220,8 +220,38 @@ def refusals_case(rank: int, world: int) -> None:
 
     fully_shard(dropout)
     raises(ValueError, "forward_seed", lambda: Hessian(dropout, lossfunc, mine))
-    mixed = sharded_model(problem, True, param_dtype=torch.float32)
-    raises(NotImplementedError, "MixedPrecisionPolicy", lambda: GGN(mixed, lossfunc, mine))
+
+
+def mixed_precision_case(name: str) -> Callable:
+    """Under a MixedPrecisionPolicy: products of the model FSDP2 runs (in its param_dtype).
+
+    float64 parameters computed in float32 against one process's float32 copy; the layers take
+    and give float32 during the products (a float64 weight would raise), the products come in
+    float64.
+    """
+
+    def check(rank: int, world: int) -> None:
+        problem, mine, everything = data(name, rank, world)
+        lossfunc = problem.make_loss("mean")
+        model = sharded_model(problem, True, param_dtype=torch.float32)
+        seen = set()
+        for layer in model.modules():
+            if isinstance(layer, (nn.Linear, nn.Conv2d)):
+                layer.register_forward_hook(lambda m, a, o: seen.add((a[0].dtype, o.dtype)))
+        copy = problem.model().float()
+        copied = [(X.float() if X.is_floating_point() else X, y) for X, y in everything]
+        V = random_matrix(sum(p.numel() for p in copy.parameters()), 2)
+        for cls in OPERATORS.values():
+            op = cls(model, lossfunc, mine)
+            ref = cls(copy, lossfunc, copied, distributed=False)
+            seen.clear()
+            out = op @ op.local_rows(V)
+            assert seen == {(torch.float32, torch.float32)}, f"{cls.__name__}: computed in {seen}"
+            assert out.dtype == torch.float64
+            expected = op.local_rows((ref @ V.float()).double())
+            close(out, expected, f"{cls.__name__} in float32", rtol=1e-4, atol=1e-6)
+
+    return check
 
 
 class _Failing:
@@ -286,6 +316,8 @@ MAIN.append(("spectral_hessian_cnn_ce_root", spectral_case("hessian", "cnn_ce", 
 MAIN.append(("spectral_ef_mlp_mse_nested", spectral_case("ef", "mlp_mse", "sum", True)))
 MAIN.append(("products_ggn_cnn_ce_last_dim", products_case("ggn", "cnn_ce", "mean", "last")))
 MAIN.append(("products_hessian_cnn_ce_last_dim", products_case("hessian", "cnn_ce", "sum", "last")))
+MAIN.append(("mixed_precision_mlp_ce", mixed_precision_case("mlp_ce")))
+MAIN.append(("mixed_precision_token_ce", mixed_precision_case("token_ce")))
 MAIN.append(("ignored_batch", ignored_batch_case))
 MAIN.append(("refusals", refusals_case))
 MAIN.append(("errors", errors_case))
