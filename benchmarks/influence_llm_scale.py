@@ -160,6 +160,86 @@ def _row(label: str, r: dict[str, Any], reference: dict[str, Any] | None, ref_na
     return f"| {label} | {r['seconds']:.1f} | {r['peak'] / 2**20:.0f} | {agree} | |"
 
 
+def floor_flops(model: nn.Module, tracked: list[str], cfg: dict[str, Any]) -> dict[str, float]:
+    """The fewest FLOPs any EK-FAC fit + scores of the run needs (counted, not measured).
+
+    Per sequence of T tokens, with the tracked layers' `(d_in + 1, d_out)` (biases folded):
+    a forward `F` (their products, the tied head's `2T·d·V`, attention's `4T²d` per block) and
+    the backward to their inputs (`≈ F`) in each of the three passes over the training data
+    (factors, EK-FAC correction, scores) and once for the queries; the factors' symmetric
+    updates `T Σ (d_in² + d_out²)`; the correction's rotation of every token's input and
+    output gradient `2T Σ (d_in² + d_out²)` and per-sample sums `2T Σ d_in d_out`; the scores'
+    per-sample gradients `2T Σ d_in d_out` and their inner products with each query.
+    """
+    modules = dict(model.named_modules())
+    shapes = [(modules[n].in_features + 1, modules[n].out_features) for n in tracked]
+    T, d, V = cfg["tokens"], cfg["dim"], cfg["vocab"]
+    mn = sum(a * b for a, b in shapes)
+    squares = sum(a * a + b * b for a, b in shapes)
+    forward = 2 * T * mn + 2 * T * d * V + 4 * T * T * d * cfg["layers"]
+    per_train = 3 * 2 * forward + T * squares + 2 * T * squares + 2 * T * mn
+    per_train += 2 * T * mn + 2 * cfg["query"] * mn
+    per_query = 2 * forward + 2 * T * mn + 4 * sum(a * b * (a + b) for a, b in shapes)
+    return {
+        "total": cfg["train"] * per_train + cfg["query"] * per_query,
+        "head share": 2 * T * d * V * 2 * (3 * cfg["train"] + cfg["query"]),
+    }
+
+
+def gemm_rate(cfg: dict[str, Any], threads: int) -> float:
+    """The best float32 matrix-product rate (FLOP/s) of this machine at the run's shapes."""
+    torch.set_num_threads(threads)
+    rows, d = cfg["batch"] * cfg["tokens"], cfg["dim"]
+    best = 0.0
+    for inner, outer in ((d, cfg["vocab"]), (d, 4 * d), (4 * d, d)):
+        a, b = torch.randn(rows, inner), torch.randn(inner, outer)
+        a @ b  # warm-up
+        start, repeats = time.perf_counter(), 5
+        for _ in range(repeats):
+            a @ b
+        best = max(best, 2 * rows * inner * outer * repeats / (time.perf_counter() - start))
+    return best
+
+
+def eigh_seconds(model: nn.Module, tracked: list[str], dtype: torch.dtype) -> float:
+    """Seconds of the fit's eigendecompositions (one per Kronecker factor), timed once per size."""
+    modules = dict(model.named_modules())
+    sizes = [d for n in tracked for d in (modules[n].in_features + 1, modules[n].out_features)]
+    timed: dict[int, float] = {}
+    for size in set(sizes):
+        a = torch.randn(size, size, dtype=dtype)
+        a = a @ a.T
+        start = time.perf_counter()
+        torch.linalg.eigh(a)
+        timed[size] = time.perf_counter() - start
+    return sum(timed[size] for size in sizes)
+
+
+def floor_line(model, tracked, cfg, threads: int, ours=None, theirs=None) -> str:
+    """The floor as a sentence: the arithmetic at this machine's best matrix-product rate and
+    the factors' eigendecompositions in float64 (as both libraries take them)."""
+    flops = floor_flops(model, tracked, cfg)
+    rate = gemm_rate(cfg, threads)
+    eigh64 = eigh_seconds(model, tracked, torch.float64)
+    eigh32 = eigh_seconds(model, tracked, torch.float32)
+    floor = flops["total"] / rate + eigh64
+    line = (
+        f"Floor: {flops['total'] / 1e12:.2f} TFLOP of arithmetic (`floor_flops`; "
+        f"{flops['head share'] / flops['total']:.0%} of it the tied head's logits and their input "
+        f"gradient), {flops['total'] / rate:.0f} s at this machine's best float32 "
+        f"matrix-product rate with {threads} threads ({rate / 1e9:.0f} GFLOP/s), plus "
+        f"{eigh64:.0f} s for the {2 * len(tracked)} eigendecompositions in float64 "
+        f"({eigh32:.0f} s in float32): no implementation takes under {floor:.0f} s."
+    )
+    if ours and theirs and "seconds" in ours and "seconds" in theirs:
+        line += (
+            f" backpack takes {ours['seconds'] / floor:.1f}× that floor, kronfluence "
+            f"{theirs['seconds'] / floor:.1f}×; half kronfluence's time is "
+            f"{theirs['seconds'] / 2 / floor:.2f}× the floor."
+        )
+    return line
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = report_parser(__doc__, threads=2)
     parser.add_argument("--layers", type=int, default=None)
@@ -176,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
         help="the query_rank values whose score error is reported (none: skip)",
     )
     parser.add_argument("--without-kronfluence", action="store_true", help="only backpack's rows")
+    parser.add_argument(
+        "--floor-only", action="store_true", help="print the arithmetic floor, run nothing"
+    )
     args = parser.parse_args(argv)
     cfg = dict(TINY if args.tiny else FULL)
     cfg.update(
@@ -188,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg["ranks_for_error"] = args.query_ranks
     peers = importlib.util.find_spec("kronfluence") is not None and not args.without_kronfluence
     model, tracked, *_ = problem(cfg)
+    if args.floor_only:
+        print(floor_line(model, tracked, cfg, args.threads))
+        return 0
     swept = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     lines = [
@@ -223,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{ours['seconds'] / theirs['seconds']:.2f}; peak-memory ratio: "
             f"{ours['peak'] / max(theirs['peak'], 1):.2f}.",
         ]
+    lines += ["", floor_line(model, tracked, cfg, args.threads, ours, theirs)]
     errors = ours.get("rank_errors")
     if errors:
         enough = [r for r, e in sorted(errors.items()) if e <= 0.01]
