@@ -278,7 +278,7 @@ def _reduce_scatter(group: Any, items: list[tuple[_Shard, Tensor]], what: str) -
             _REDUCE(flat, dst=dist.get_global_rank(group, owner), group=group)
         except Exception as err:  # pragma: no cover - a rank died or timed out
             raise RuntimeError(
-                f"accumulate (FSDP2) could not {what}: a rank did not get there within "
+                f"The FSDP2 sweep could not {what}: a rank did not get there within "
                 f"{_dist.TIMEOUT_S:g} s (backpack.distributed.TIMEOUT_S)."
             ) from err
         offset = 0
@@ -311,7 +311,7 @@ def _reduce_scatter(group: Any, items: list[tuple[_Shard, Tensor]], what: str) -
             _REDUCE_SCATTER(mine, flat, group=group)
         except Exception as err:  # pragma: no cover - a rank died or timed out
             raise RuntimeError(
-                f"accumulate (FSDP2) could not {what}: a rank did not get there within "
+                f"The FSDP2 sweep could not {what}: a rank did not get there within "
                 f"{_dist.TIMEOUT_S:g} s (backpack.distributed.TIMEOUT_S)."
             ) from err
         del flat
