@@ -100,8 +100,9 @@ def batch_rows(
                 f"Parameter {name} got no {field!r} in batch {batch.index} (does it take "
                 "part in the loss, and is its layer supported? see the warnings)."
             )
+        # in the parameter's own dtype: FSDP2's mixed precision computes in another
         if kind == "grad":
-            rows[name] = value * scale
+            rows[name] = (value * scale).to(p.dtype)
         else:  # [C or M, N, *shape] -> [C·N, *shape]
-            rows[name] = value.flatten(0, 1) * scale**0.5
+            rows[name] = (value.flatten(0, 1) * scale**0.5).to(p.dtype)
     return rows, nu

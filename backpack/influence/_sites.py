@@ -90,6 +90,14 @@ class Site:
             return Site(self.kind, self.shape, self.left, self.right * factor)
         return Site(self.kind, self.shape, self.left * factor)
 
+    def cast(self, dtype: torch.dtype) -> Site:
+        """The site with its values in `dtype` (an embedding's indices stay integers)."""
+        if self.left.dtype == dtype and (self.right is None or self.right.dtype == dtype):
+            return self
+        left = self.left if self.kind == "rows" else self.left.to(dtype)
+        right = None if self.right is None else self.right.to(dtype)
+        return Site(self.kind, self.shape, left, right)
+
     def select(self, start: int, stop: int) -> Site:
         """The site of samples `start:stop`."""
         right = None if self.right is None else self.right[start:stop]
@@ -522,7 +530,8 @@ def _batch_sites(sweep, model, lossfunc, params, extension, batch) -> dict[str, 
                 f"Parameter {name}: a module call saw {wrong[0]} samples, the batch has {n} "
                 "(several forwards per batch?); use factored=False."
             )
-        result[name] = [s.scaled(scale) for s in sites]
+        # in the parameter's own dtype: FSDP2's mixed precision computes in another
+        result[name] = [s.scaled(scale).cast(p.dtype) for s in sites]
     return result
 
 

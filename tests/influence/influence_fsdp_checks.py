@@ -246,6 +246,33 @@ def tied(rank: int, world: int) -> None:
         close(ours.self_scores(local), whole.self_scores(train)[columns], f"{strategy} self, tied")
 
 
+def mixed_precision(rank: int, world: int) -> None:
+    """Under a MixedPrecisionPolicy (float64 parameters computed in float32): every strategy's
+    scores in float64, equal to one process's on a float32 copy to float32's precision."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    problem = PROBLEMS["mlp"]
+    model = problem.model()
+    policy = MixedPrecisionPolicy(param_dtype=torch.float32)
+    for child in model.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    copy = problem.model().float()
+    lossfunc = problem.make_loss("mean")
+    local, columns = shard(problem, rank, world)
+    single = lambda data: [(X.float(), y) for X, y in data]  # noqa: E731
+    train, query = problem.train(), problem.query()
+    fits = (("identity", "empirical"), ("diagonal", "type-2"), ("ekfac", "type-2"))
+    for strategy, fisher in fits:
+        ours = fit(model, lossfunc, local, strategy, fisher=fisher)
+        whole = fit(copy, lossfunc, single(train), strategy, fisher=fisher, distributed=False)
+        scores = ours.scores(query, local)
+        assert scores.dtype == torch.float64, scores.dtype
+        expected = whole.scores(single(query), single(train))[:, columns].double()
+        torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5 * expected.abs().max())
+
+
 #: `{scenario: [(label, check(rank, world))]}`
 SCENARIOS = {
     "fits": [("-".join(map(str, case)), partial(check, *case)) for case in CASES],
@@ -253,6 +280,7 @@ SCENARIOS = {
         ("query-must-agree", query_must_agree),
         ("persistence", persistence),
         ("tied", tied),
+        ("mixed-precision", mixed_precision),
     ],
 }
 
