@@ -18,8 +18,9 @@ parameters, computed from this rank's batch only; afterwards the module holds it
 Summed quantities (gradient, `SumGradSquared`, diagonals) sum their contributions. `Variance`
 sends `Σ_r n_r var_r`, `Σ_r n_r mean_r` and `Σ_r n_r mean_r²`: the batch's variance over all
 ranks' samples is `(Σ n_r var_r + Σ n_r mean_r² − n mean²) / n`, merged into the running state
-with Chan et al.'s formula. `BatchL2Grad` rows (a squared norm of the whole parameter per
-sample) stay on their rank, like under `distributed=True` without sharding. The gradient is taken
+with Chan et al.'s formula. Per-sample rows (`BatchGrad`, `BatchL2Grad`, `SqrtGGN*`, ...: of
+whole parameters, from FSDP's unsharded ones) stay on their rank, kept or streamed to a callback,
+like under `distributed=True` without sharding. The gradient is taken
 from the unsharded parameter when autograd accumulates it (before FSDP reduce-scatters it,
 averaged over ranks, into `.grad`).
 """
@@ -34,7 +35,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from backpack import distributed as _dist
-from backpack.api import backpack
+from backpack.api import backpack, disable
 from backpack.curvature._data import (
     digest,
     fingerprint,
@@ -45,7 +46,6 @@ from backpack.curvature._quantities import (
     Kind,
     KronKind,
     Rows,
-    Summed,
     VarianceKind,
 )
 from backpack.extensions.backprop_extension import BackpropExtension
@@ -58,10 +58,10 @@ _REDUCE = dist.reduce
 #: what a sweep of an FSDP2 model supports (named in errors)
 SUPPORTED = (
     "the gradient, SumGradSquared, Variance, DiagGGNExact, DiagGGNMC, DiagHessian (each rank "
-    "keeps its shard), BatchL2Grad (this rank's rows), KFLR and KFAC (each layer's factors on "
-    "one owner rank), the operators GGN, Hessian, EmpiricalFisher, KFAC and EKFAC (each block's "
-    "eigenbasis and corrected eigenvalues on its owner) and backpack.influence (each block of "
-    "the fit on one rank)"
+    "keeps its shard), per-sample rows (this rank's samples, whole parameters; kept or "
+    "streamed), KFLR and KFAC (each layer's factors on one owner rank), the operators GGN, "
+    "Hessian, EmpiricalFisher, KFAC and EKFAC (each block's eigenbasis and corrected "
+    "eigenvalues on its owner) and backpack.influence (each block of the fit on one rank)"
 )
 
 
@@ -208,24 +208,6 @@ def shards(model: nn.Module, group: Any) -> list[_Shard]:
     return out
 
 
-def check_kinds(kinds: dict[str, Kind], callback: Any) -> None:
-    """Refuse what a sharded sweep does not support (per-sample rows, callbacks)."""
-    if callback is not None:
-        raise NotImplementedError(
-            "accumulate(callback=...) does not support a model sharded with FSDP2 (fully_shard); "
-            f"it supports {SUPPORTED}."
-        )
-    for field, kind in kinds.items():
-        if isinstance(kind, (Summed, VarianceKind, KronKind)) or field == "batch_l2":
-            continue
-        raise NotImplementedError(
-            f"accumulate cannot sweep {field!r} on a model sharded with FSDP2 (fully_shard): "
-            f"it supports {SUPPORTED}. Per-sample rows of whole parameters need unsharded "
-            "parameters: sweep a replicated copy (docs: 'Curvature of a data set', "
-            "'Distributed sweeps')."
-        )
-
-
 def _gather(group: Any, values: list[float], what: str, tool: str = "accumulate") -> Tensor:
     """All-gather a few float64 numbers per rank: a `[world, len(values)]` table."""
     device = _dist._header_device(group)
@@ -325,13 +307,29 @@ def _reduce_scatter(group: Any, items: list[tuple[_Shard, Tensor]], what: str) -
     return out  # type: ignore[return-value]
 
 
+def count_total(sweep: Any) -> float:
+    """`ν` of every rank's data together: one forward per batch without gradients, in lockstep."""
+    total = 0.0
+    with torch.no_grad(), disable():
+        work = lambda batch: sweep.nu(sweep.model(batch.X), batch.y)  # noqa: E731
+        for _, nu in batch_results(sweep, work, "count ν"):
+            total += nu
+    reshard(sweep.model)  # forwards without a backward leave the root gathered
+    return float(_gather(_dist._group(), [total], "count ν").sum())
+
+
 def sharded_sweep(
-    sweep: Any, extensions: list[BackpropExtension], kinds: dict[str, Kind], group: Any
+    sweep: Any,
+    extensions: list[BackpropExtension],
+    kinds: dict[str, Kind],
+    group: Any,
+    stream_total: float | None = None,
 ) -> dict[str, Any]:
     """Every rank's shard of the data-set quantities of an FSDP2 model (see the module doc).
 
     `sweep` is the `Sweep` (`backpack.curvature._sweep`) of the model, loss and this rank's
-    data.
+    data; `stream_total`: the whole data set's `ν` that rows streamed to the `Rows` kinds'
+    callback are divided by.
 
     Returns:
         The fields of an `Accumulated` (states and gradient: this rank's shards).
@@ -442,9 +440,19 @@ def sharded_sweep(
                 scale=rel,
                 num_samples=batch.num_samples,
                 count_scale=batch.num_samples / ref_count,
+                stream_total=None if stream_total is None else stream_total / (ref_scale or 1.0),
             )
-            _add(params, kinds, states, grad_state, values, info, batch_count, group, owners)
+            rows = _add(params, kinds, states, grad_state, values, info, batch_count, group, owners)
             values.clear()
+            if rows:  # kept or streamed (a callback may fail on one rank): then agreed
+                error = None
+                try:
+                    _add_rows(rows, kinds, states, info)
+                except Exception as err:  # noqa: BLE001 - agreed with the other ranks first
+                    error = err
+                rows.clear()
+                table = _gather(group, [float(error is not None)], "agree after the rows")
+                _agreed(table, error, f"in batch {batches} (its rows)")
             nu_total += batch_nu
             samples += batch_count
             batches += 1
@@ -478,6 +486,7 @@ def sharded_sweep(
         "ranks": world,
         "sharded": True,
         "owners": owners,
+        "stream_total": stream_total,
     }
 
 
@@ -509,7 +518,8 @@ def _take(params: list[_Shard], kinds, grads, skip: bool) -> dict[str, dict[str,
                     f"Parameter {s.name} got no {f!r} in this batch (is its layer supported by "
                     "this extension? see the warnings)."
                 )
-            if skip and isinstance(kinds[f], KronKind):
+            refused = isinstance(kinds[f], KronKind) or getattr(kinds[f], "dim", 0) != 0
+            if skip and refused:  # no factors or rows for a batch without loss terms
                 kinds[f].skip(None, BatchScale(0, 1.0, 0), s.name, s.param)  # raises
             values[f][s.name] = value
             _clean(s, [f])
@@ -526,12 +536,14 @@ def _clean(s: _Shard, fields) -> None:
 
 def _add(
     params, kinds, states, grad_state, values, info: BatchScale, batch_count, group, owners
-) -> None:
+) -> list[tuple[str, str, Tensor | None, Tensor]]:
     """Reduce-scatter one batch's scaled contributions and add them to the shard states.
 
     Kronecker factors go whole to their parameter's owner (`owners`); the other ranks keep
-    shape-only placeholders (tensors on the meta device).
+    shape-only placeholders (tensors on the meta device). Returns the per-sample rows, which
+    stay on this rank, for `_add_rows`: `[(field, name, rows or None to skip, parameter)]`.
     """
+    rows: list[tuple[str, str, Tensor | None, Tensor]] = []
     world, me = dist.get_world_size(group), dist.get_rank(group)
     items: list[tuple[Any, Tensor]] = []
     slots: list[tuple[str, str, str]] = []  # (field, name, part)
@@ -555,11 +567,8 @@ def _add(
                 continue
             if value is not None and value.is_floating_point():
                 value = value.to(dtype)
-            if isinstance(kind, Rows):  # batch_l2: this rank's rows
-                if value is None:
-                    states[f][s.name] = kind.skip(states[f][s.name], info, s.name, grad)
-                else:
-                    states[f][s.name] = kind.add(states[f][s.name], value, info, s.name, None)
+            if isinstance(kind, Rows):  # this rank's rows (of whole parameters)
+                rows.append((f, s.name, value, s.param))
                 continue
             if isinstance(kind, VarianceKind):
                 n = info.num_samples
@@ -604,6 +613,17 @@ def _add(
         spread = (p["sq"] - mean.square() * n).clamp_min(0)
         var = (p["var"] + spread) / n
         states[f][name] = kinds[f].merge(states[f][name], (n, mean, var))
+    return rows
+
+
+def _add_rows(rows, kinds, states, info: BatchScale) -> None:
+    """Keep (or stream to the callback) this rank's rows of one batch; zeros without a loss."""
+    for f, name, value, param in rows:
+        kind = kinds[f]
+        if value is None:
+            states[f][name] = kind.skip(states[f][name], info, name, param)
+        else:
+            states[f][name] = kind.add(states[f][name], value, info, name, None)
 
 
 def landing(model: nn.Module) -> Any:

@@ -14,8 +14,7 @@ from backpack.api import backpack
 from backpack.curvature._data import Normaliser, fingerprint, trainable
 from backpack.curvature._distributed import all_sum, combine, guarded, local_module
 from backpack.curvature._forward import refuse_unfaithful_gradients
-from backpack.curvature._fsdp import check_kinds as check_fsdp_kinds
-from backpack.curvature._fsdp import is_fully_sharded, sharded_sweep
+from backpack.curvature._fsdp import count_total, is_fully_sharded, sharded_sweep
 from backpack.curvature._quantities import (
     BatchScale,
     Callback,
@@ -315,7 +314,9 @@ def accumulate(
             batch (every rank needs the same number of batches) and each rank gets its shard
             of the gradient, `SumGradSquared`, `Variance` and the diagonals, written as
             DTensors like FSDP's `.grad`; `KFLR`/`KFAC` factors are whole on one owner rank
-            per parameter (`result.owners`; None on the others) (docs: "Distributed sweeps").
+            per parameter (`result.owners`; None on the others); per-sample rows are this
+            rank's samples' rows of whole parameters, kept or streamed (docs: "Distributed
+            sweeps").
 
     Returns:
         An `Accumulated` result (mergeable with another sweep's, and `write`-able to a model).
@@ -325,10 +326,7 @@ def accumulate(
             the sweep, an extension that cannot be combined over batches, or an embedding with
             `scale_grad_by_freq` or with rows its `max_norm` would renormalise (docs: "What a
             sweep refuses").
-        NotImplementedError: For `BatchDotGrad`, `KFRA` and the matrix-product extensions; for
-            a model sharded with FSDP2 (`fully_shard`), for other extensions than the gradient,
-            `SumGradSquared`, `Variance`, the diagonals, `BatchL2Grad`, `KFLR` and `KFAC`, and
-            for `callback`.
+        NotImplementedError: For `BatchDotGrad`, `KFRA` and the matrix-product extensions.
         RuntimeError: Under torch.distributed, when another rank's sweep failed, or the ranks
             swept different models, extensions or batch shapes.
     """
@@ -359,7 +357,7 @@ def accumulate_over(
     `write` defaults to False: the layer's tools read the result, not the parameters.
     """
     if sweep.sharded:
-        return _sharded(sweep, extensions, callback, write)
+        return _sharded(sweep, extensions, callback, total, write)
     refuse_unfaithful_gradients(sweep.model, sweep.what)
     group = sweep.group
     stream_total = None
@@ -386,8 +384,12 @@ def accumulate_over(
     return result
 
 
-def _sharded(sweep: Sweep, extensions, callback, write) -> Accumulated:
-    """`accumulate` of a model sharded with FSDP2: every rank gets its shard of the result."""
+def _sharded(sweep: Sweep, extensions, callback, total, write) -> Accumulated:
+    """`accumulate` of a model sharded with FSDP2: every rank gets its shard of the result.
+
+    Per-sample rows are this rank's samples' rows of whole parameters, kept or streamed (with
+    the whole data set's `ν`, counted in one lockstep pass unless `total` is given).
+    """
     if sweep.distributed is False or not (dist.is_available() and dist.is_initialized()):
         raise ValueError(
             "accumulate(..., distributed=False) cannot sweep a model sharded with FSDP2 "
@@ -395,10 +397,22 @@ def _sharded(sweep: Sweep, extensions, callback, write) -> Accumulated:
             "sweep covers every rank's shard of the data. Pass distributed=None or True."
         )
     kinds = _extensions(extensions)
-    check_fsdp_kinds(kinds, callback)
     exts = [extensions] if isinstance(extensions, BackpropExtension) else list(extensions)
-    fields = sharded_sweep(sweep, exts, kinds, _dist_group())
+    stream_total = None
+    if callback is not None:
+        if sweep.reduction == "sum":
+            stream_total = 1.0
+        elif total is not None:
+            stream_total = float(total)
+        else:
+            sweep.needs_reiterable("accumulate(callback=...) without total=")
+            stream_total = count_total(sweep)
+        for kind in kinds.values():
+            if isinstance(kind, Rows):
+                kind.callback = callback
+    fields = sharded_sweep(sweep, exts, kinds, _dist_group(), stream_total)
     result = Accumulated(**fields)
+    _check_streamed(result.stream_total, result.reduction, result.total)
     if write:
         result.write(sweep.model)
     return result

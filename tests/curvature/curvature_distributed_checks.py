@@ -284,7 +284,16 @@ FSDP_SHARDS = {2: [[3, 1], [2, 5]], 3: [[2, 1], [4, 1], [1, 2]]}
 
 
 def fsdp_extensions() -> list:
-    return [SumGradSquared(), Variance(), DiagGGNExact(), DiagHessian(), BatchL2Grad()]
+    return [
+        SumGradSquared(),
+        Variance(),
+        DiagGGNExact(),
+        DiagHessian(),
+        BatchL2Grad(),
+        BatchGrad(),
+        BatchDiagGGNExact(),
+        SqrtGGNExact(),
+    ]
 
 
 def fsdp_model(problem, nested: bool, param_dtype=None):
@@ -337,8 +346,10 @@ def fully_sharded_case(name: str, reduction: str, nested: bool):
             close(p.grad.to_local(), own_chunk(q.grad, rank, world), f"{pname}.grad")
             close(gradient[pname], own_chunk(q.grad, rank, world), f"{pname} gradient()")
             for field in expected.savefields:
-                if field == "batch_l2":
-                    close(getattr(p, field), q.batch_l2[start:stop], f"{pname}.batch_l2")
+                if field in ROWS:  # this rank's samples' rows of the whole parameter
+                    want = getattr(q, field).narrow(ROWS[field], start, stop - start)
+                    close(getattr(p, field), want, f"{pname}.{field}")
+                    close(result.quantity(field)[pname], want, f"{pname} result[{field!r}]")
                     continue
                 want = own_chunk(getattr(q, field), rank, world)
                 close(getattr(p, field).to_local(), want, f"{pname}.{field}")
@@ -450,29 +461,42 @@ def fully_sharded(rank: int, world: int) -> None:
     empty = mine if rank != bad else []
     run = lambda: accumulate(model, lossfunc, empty, DiagGGNExact())  # noqa: E731
     _expect(rank, bad, run, ValueError, "empty data set")
-    # refused: per-sample rows, callbacks, distributed=False (influence on FSDP2: its own checks
-    # in tests/influence/influence_fsdp_checks.py)
-    refused = [
-        (NotImplementedError, "grad_batch", lambda: accumulate(model, lossfunc, mine, BatchGrad())),
-        (
-            NotImplementedError,
-            "callback",
-            lambda: accumulate(model, lossfunc, mine, BatchL2Grad(), callback=print),
-        ),
-        (
-            ValueError,
-            "distributed=False",
-            lambda: accumulate(model, lossfunc, mine, DiagGGNExact(), distributed=False),
-        ),
-    ]
-    for error, match, run in refused:
-        try:
-            run()
-        except error as err:
-            assert match in str(err), err
-            assert error is ValueError or "SumGradSquared" in str(err), err
-        else:
-            raise AssertionError(f"not refused: {match}")
+    # rows streamed to a callback: ν counted over every rank first (or given), this rank's rows
+    _, _, _, start, stop = fsdp_shards("mlp_ce", rank, world)
+    accumulate(ref, lossfunc, everything, [BatchGrad(), BatchL2Grad()], distributed=False)
+    for given in (None, problem.normaliser("mean")):
+        got: dict[tuple, list] = {}
+
+        def keep(i, pname, value, got=got):
+            got.setdefault((pname, value.dim()), []).append(value)
+
+        exts = [BatchGrad(), BatchL2Grad(), DiagGGNExact()]
+        result = accumulate(model, lossfunc, mine, exts, callback=keep, total=given)
+        assert result.stream_total == problem.normaliser("mean"), result.stream_total
+        assert result.quantity("grad_batch")[next(iter(result.names))] is None
+        for pname, q in ref.named_parameters():
+            rows = torch.cat(got[(pname, q.dim() + 1)])
+            close(rows, q.grad_batch[start:stop], f"{pname} streamed rows")
+            close(torch.cat(got[(pname, 1)]), q.batch_l2[start:stop], f"{pname} streamed l2")
+            want = own_chunk(q.diag_ggn_exact, rank, world)
+            close(result["diag_ggn_exact"][pname], want, f"{pname} diagonal, streaming")
+    # a callback that fails on one rank: every rank raises (not a hang in the next batch)
+    failing = world - 1
+
+    def callback(i, pname, value):
+        if rank == failing:
+            raise KeyError("callback failed")
+
+    run = lambda: accumulate(model, lossfunc, mine, BatchGrad(), callback=callback)  # noqa: E731
+    _expect(rank, failing, run, KeyError, "callback failed")
+    # refused: distributed=False (influence on FSDP2: its own checks in
+    # tests/influence/influence_fsdp_checks.py)
+    try:
+        accumulate(model, lossfunc, mine, DiagGGNExact(), distributed=False)
+    except ValueError as err:
+        assert "distributed=False" in str(err), err
+    else:
+        raise AssertionError("not refused: distributed=False")
     # the recipe for what stays refused: a replicated copy, swept with distributed=True
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     copy = problem.make_model().double()
