@@ -558,10 +558,11 @@ def _add(
                 if len(value) not in (1, 2):
                     raise ValueError(f"{f} of {s.name} has {len(value)} factors, not 1 or 2.")
                 scales = [info.scale, info.count_scale]
-                for i, factor in enumerate(value):
-                    factor = factor.to(dtype)
-                    if scales[i] != 1:
-                        factor = factor * scales[i]
+                factors = [
+                    v.to(dtype) if scales[i] == 1 else v.to(dtype) * scales[i]
+                    for i, v in enumerate(value)
+                ]
+                for i, factor in enumerate(kind.widened(factors)):  # summed in float64
                     items.append((_Owned(owners[s.name], tuple(factor.shape), world), factor))
                     slots.append((f, s.name, f"kron{i}"))
                 continue
@@ -581,7 +582,7 @@ def _add(
                 value = torch.zeros_like(grad)
             elif info.scale != 1:
                 value = value * info.scale**kind.power
-            items.append((s, value))
+            items.append((s, kind.widened(value)))  # summed (and reduced) in float64
             slots.append((f, s.name, ""))
     reduced = _reduce_scatter(group, items, "reduce the batch's quantities")
     batch_grad: dict[str, Tensor] = {}

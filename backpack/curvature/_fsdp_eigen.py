@@ -38,6 +38,7 @@ from backpack.curvature._distributed import all_sum as _all_sum
 from backpack.curvature._eigen import EigenState, eigen_rules
 from backpack.curvature._fsdp import _Owned, _reduce_scatter, reshard
 from backpack.curvature._fsdp_blocks import ShardedBlocks
+from backpack.curvature._quantities import wide
 from backpack.curvature._rows import row_batches
 from backpack.curvature.accumulate import accumulate_over
 
@@ -184,7 +185,7 @@ def rows_correction(
             lent.vectors = broadcast_vectors(b, owner, group, device)
             dtype = lent.vectors[0].dtype if lent.vectors else b.values.dtype
             picked = {n: rows[n].to(dtype) for n in b.names}
-            squares = lent.squares(lent.gather(picked))
+            squares = wide(lent.squares(lent.gather(picked)))  # summed in float64
             item = (_Owned(owner, tuple(squares.shape), world), squares)
             (received,) = _reduce_scatter(group, [item], "sum EKFAC's corrected eigenvalues")
             if owner == me:
@@ -195,7 +196,7 @@ def rows_correction(
     normaliser = sweep.total(total)
     for b in blocks:  # the owner's (the others hold shape-only values)
         if b.name in sums:
-            b.values = sums[b.name] / normaliser
+            b.values = (sums[b.name] / normaliser).to(b.values.dtype)
     return total, int(count)
 
 

@@ -44,6 +44,17 @@ from backpack.extensions.secondorder import HBP
 Callback = Callable[[int, str, Tensor], None]
 
 
+def wide(t: Tensor) -> Tensor:
+    """`t` in float64 where it is a lower-precision float (sums over a data set are kept so).
+
+    Summed in float32, a data set's factors depend on the order of the batches (and on how the
+    ranks split them) by float32's rounding, which nearly equal eigenvalues amplify about a
+    thousandfold into EK-FAC's scores. Summed in float64 and cast back once, they come out the
+    same in any order.
+    """
+    return t.double() if t.is_floating_point() and t.dtype.itemsize < 8 else t
+
+
 @dataclass
 class BatchScale:
     """What a batch contributes with.
@@ -100,19 +111,36 @@ class Kind:
 
 
 class Summed(Kind):
-    """Sums over samples (diagonals, second moments): `Σ_b s_b^k Q_b / ν^k`."""
+    """Sums over samples (diagonals, second moments): `Σ_b s_b^k Q_b / ν^k`.
+
+    Summed in float64 (`wide`) and given back in the values' own dtype.
+    """
+
+    #: whether the states are kept in float64
+    widen = True
 
     def __init__(self, savefield: str, power: float) -> None:
         super().__init__(savefield)
         self.power = power
+        #: the dtype of the batches' values (and of `final`)
+        self.dtype: torch.dtype | None = None
+
+    def widened(self, value: Tensor) -> Tensor:
+        """`value` as the state sums it (remembering its own dtype)."""
+        if not self.widen:
+            return value
+        self.dtype = self.dtype or value.dtype
+        return wide(value)
 
     def add(self, state, value, batch, name, grad):  # noqa: D102
         if batch.scale != 1:
             value = value * batch.scale**self.power
+        value = self.widened(value)
         return value if state is None else state + value
 
     def final(self, state, total, count):  # noqa: D102
-        return state if total == 1 else state / total**self.power
+        out = state if total == 1 else state / total**self.power
+        return out if self.dtype is None or out is None else out.to(self.dtype)
 
 
 class Rows(Kind):
@@ -218,13 +246,23 @@ class KronKind(Kind):
     set as `Σ_b N_b A_b / Σ_b N_b` (every sample of a sweep has the same number of positions).
     """
 
+    def __init__(self, savefield: str) -> None:
+        super().__init__(savefield)
+        #: the dtype of the batches' factors (and of `final`); the states are float64 (`wide`)
+        self.dtype: torch.dtype | None = None
+
+    def widened(self, factors: list[Tensor]) -> list[Tensor]:
+        """`factors` as the state sums them (remembering their own dtype)."""
+        self.dtype = self.dtype or factors[0].dtype
+        return [wide(f) for f in factors]
+
     def add(self, state, value, batch, name, grad):  # noqa: D102
         if len(value) not in (1, 2):
             raise ValueError(f"{self.savefield} of {name} has {len(value)} factors, not 1 or 2.")
         new = [value[0] if batch.scale == 1 else value[0] * batch.scale]
         if len(value) == 2:
             new.append(value[1] if batch.count_scale == 1 else value[1] * batch.count_scale)
-        return self.merge(state, new)
+        return self.merge(state, self.widened(new))
 
     def skip(self, state, batch, name, param):  # noqa: D102
         raise ValueError(
@@ -251,11 +289,13 @@ class KronKind(Kind):
         out = [state[0] if total == 1 else state[0] / total]
         if len(state) == 2:
             out.append(state[1] if count == 1 else state[1] / count)
-        return out
+        return out if self.dtype is None else [f.to(self.dtype) for f in out]
 
 
 class GradKind(Summed):
     """The gradient of the data-set loss (kept for `Variance` and written to `.grad`)."""
+
+    widen = False  # read as it is (`Accumulated.gradient`)
 
     def __init__(self) -> None:
         super().__init__("grad", power=1.0)

@@ -100,9 +100,10 @@ def batch_rows(
                 f"Parameter {name} got no {field!r} in batch {batch.index} (does it take "
                 "part in the loss, and is its layer supported? see the warnings)."
             )
-        # in the parameter's own dtype: FSDP2's mixed precision computes in another
+        # at least in the parameter's own dtype: FSDP2's mixed precision computes in a lower one
+        dtype = torch.promote_types(value.dtype, p.dtype)
         if kind == "grad":
-            rows[name] = (value * scale).to(p.dtype)
+            rows[name] = (value * scale).to(dtype)
         else:  # [C or M, N, *shape] -> [C·N, *shape]
-            rows[name] = (value.flatten(0, 1) * scale**0.5).to(p.dtype)
+            rows[name] = (value.flatten(0, 1) * scale**0.5).to(dtype)
     return rows, nu

@@ -39,6 +39,7 @@ from backpack.curvature._fsdp_blocks import (
     sharded_matmul,
 )
 from backpack.curvature._fsdp_eigen import check_calls, rows_correction, sharded_correction
+from backpack.curvature._quantities import wide
 from backpack.curvature._rows import row_batches
 from backpack.curvature._sweep import Sweep
 from backpack.curvature.accumulate import accumulate_over
@@ -481,7 +482,7 @@ def _correct(
     frozen = [params[name] for name in covered]
 
     def rows_sums(frozen: list[Tensor]) -> tuple[list[Tensor], float, int]:
-        sums = [torch.zeros_like(b.values) for b in rest]
+        sums = [wide(torch.zeros_like(b.values)) for b in rest]  # in any batch order alike
         total, count = 0.0, 0
         with _frozen(frozen):
             for batch, rows, nu in row_batches(
@@ -507,7 +508,7 @@ def _correct(
     if group is None:
         sums, total, count = done
     else:
-        empty = ([torch.zeros_like(b.values) for b in rest], 0.0, 0)
+        empty = ([wide(torch.zeros_like(b.values)) for b in rest], 0.0, 0)
         sums, total, count = done if done is not None else empty
         total, count = _dist.all_sum(
             group, sums, [total, float(count)], error, "sum EKFAC's corrected eigenvalues"
@@ -515,7 +516,7 @@ def _correct(
         count = int(count)
     normaliser_total = sweep.total(total)
     for s, b in zip(sums, rest):
-        b.values = s / normaliser_total
+        b.values = (s / normaliser_total).to(b.values.dtype)
     return total, count
 
 

@@ -90,9 +90,10 @@ class Site:
             return Site(self.kind, self.shape, self.left, self.right * factor)
         return Site(self.kind, self.shape, self.left * factor)
 
-    def cast(self, dtype: torch.dtype) -> Site:
-        """The site with its values in `dtype` (an embedding's indices stay integers)."""
-        if self.left.dtype == dtype and (self.right is None or self.right.dtype == dtype):
+    def promoted(self, dtype: torch.dtype) -> Site:
+        """The site with its values at least in `dtype`'s precision (indices stay integers)."""
+        values = [t for t in (self.left, self.right) if t is not None and t.is_floating_point()]
+        if all(torch.promote_types(t.dtype, dtype) == t.dtype for t in values):
             return self
         left = self.left if self.kind == "rows" else self.left.to(dtype)
         right = None if self.right is None else self.right.to(dtype)
@@ -530,8 +531,8 @@ def _batch_sites(sweep, model, lossfunc, params, extension, batch) -> dict[str, 
                 f"Parameter {name}: a module call saw {wrong[0]} samples, the batch has {n} "
                 "(several forwards per batch?); use factored=False."
             )
-        # in the parameter's own dtype: FSDP2's mixed precision computes in another
-        result[name] = [s.scaled(scale).cast(p.dtype) for s in sites]
+        # at least in the parameter's own dtype: FSDP2's mixed precision computes in a lower one
+        result[name] = [s.scaled(scale).promoted(p.dtype) for s in sites]
     return result
 
 

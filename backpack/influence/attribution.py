@@ -37,6 +37,7 @@ from backpack.curvature._distributed import (
 from backpack.curvature._fsdp import _Owned, is_fully_sharded, plain_zeros, reshard
 from backpack.curvature._fsdp import _reduce_scatter as reduce_onto
 from backpack.curvature._lent import kron_layer, kron_targets
+from backpack.curvature._quantities import wide
 from backpack.curvature._rows import row_batches
 from backpack.curvature._sweep import Sweep
 from backpack.curvature.ekfac import EKFAC, EigenBlock, kfac_eigenblocks
@@ -104,8 +105,10 @@ def _diagonal_blocks(
         return _sharded_diagonal(sweep, fisher, mc_samples, seed, folded, params)
     group = sweep.group
 
-    def zeros() -> dict[str, Tensor]:
-        return {n: torch.zeros_like(p, memory_format=torch.contiguous_format) for n, p in params}
+    def zeros() -> dict[str, Tensor]:  # float64 sums: the same in any batch order
+        return {
+            n: wide(torch.zeros_like(p, memory_format=torch.contiguous_format)) for n, p in params
+        }
 
     def local() -> tuple[dict[str, Tensor], int]:
         sums = zeros()
@@ -144,8 +147,8 @@ def _sharded_diagonal(sweep, fisher, mc_samples, seed, folded, params):
     placement = Placement.balanced(sizes, members, device_of(sweep.model))
     owner = {n: placement.owner[b] for b, group in members.items() for n in group}
     mine = placement.owned_names()
-    sums = {
-        name: plain_zeros(p) if name in mine else torch.empty(p.shape, dtype=p.dtype, device="meta")
+    sums = {  # float64 sums: the same in any batch order, and as one process's
+        name: wide(plain_zeros(p)) if name in mine else torch.empty(p.shape, device="meta")
         for name, p in params
     }
     count = 0
@@ -153,6 +156,7 @@ def _sharded_diagonal(sweep, fisher, mc_samples, seed, folded, params):
     for n, pairs in _diagonal_sums(sweep, fisher, mc_samples, seed, params):
         count += n
         for name, value in pairs:  # one parameter at a time: whole on its owner
+            value = wide(value)
             item = (_Owned(owner[name], tuple(value.shape), placement.world), value)
             (reduced,) = reduce_onto(placement.group, [item], "reduce the diagonal")
             if name in mine:
@@ -189,10 +193,12 @@ def _diagonal_result(params, sums, count, folded: Mapping[str, str]) -> list[Eig
     shapes = {name: tuple(p.shape) for name, p in params}
     biases = {b for w, b in folded.items() if w in shapes and b in shapes}
     blocks = []
+    # the means in the parameters' dtype (the sums are float64)
+    means = {name: (sums[name] / count).detach().to(p.dtype) for name, p in params}
     for name, _ in params:
         if name in biases:
             continue
-        values = (sums[name] / count).detach()
+        values = means[name]
         bias = folded.get(name)
         if bias is None or bias not in shapes:
             blocks.append(EigenBlock(name, shapes[name], [], values.flatten(), False))
@@ -201,7 +207,7 @@ def _diagonal_result(params, sums, count, folded: Mapping[str, str]) -> list[Eig
         transposed = shapes[name][0] != shapes[bias][0]
         block = EigenBlock(name, shapes[name], [], values, transposed, bias)
         block.values = values.new_empty(block.rows, block.numel // block.rows)  # its coordinates
-        flat = torch.cat([values.flatten(), (sums[bias] / count).detach().flatten()])
+        flat = torch.cat([values.flatten(), means[bias].flatten()])
         block.values = block.to_own(flat[None])[0]
         blocks.append(block)
     return blocks
