@@ -47,6 +47,7 @@ from backpack.curvature._quantities import (
     KronKind,
     Rows,
     VarianceKind,
+    wide_dtype,
 )
 from backpack.extensions.backprop_extension import BackpropExtension
 
@@ -133,16 +134,36 @@ class _Owned:
     It answers like a `_Shard` whose chunk for the owner is everything and empty for the rest.
     """
 
-    def __init__(self, owner: int, shape: tuple[int, ...], world: int) -> None:
+    def __init__(
+        self, owner: int, shape: tuple[int, ...], world: int, dtype: torch.dtype | None = None
+    ) -> None:
         self.owner = owner
         self.shape = tuple(shape)
         self.chunk_of = {g: g for g in range(world)}
+        #: the dtype the sum travels and arrives in (None: the tensor's own)
+        self.dtype = dtype
 
     def chunk_shape(self, index: int) -> tuple[int, ...]:
         return self.shape if index == self.owner else (0,)
 
     def chunk(self, value: Tensor, index: int) -> Tensor:
         return value if index == self.owner else value.new_empty(0)
+
+
+class _Wide:
+    """A `_Shard` item of `_reduce_scatter` whose sum travels and arrives in float64."""
+
+    dtype = torch.float64
+
+    def __init__(self, shard: _Shard) -> None:
+        self.shard = shard
+        self.shape, self.chunk_of = shard.shape, shard.chunk_of
+
+    def chunk_shape(self, index: int) -> tuple[int, ...]:
+        return self.shard.chunk_shape(index)
+
+    def chunk(self, value: Tensor, index: int) -> Tensor:
+        return self.shard.chunk(value, index)
 
 
 def assign_owners(sizes: dict[str, int], world: int) -> dict[str, int]:
@@ -236,26 +257,38 @@ def _agreed(
         )
 
 
-def _reduce_scatter(group: Any, items: list[tuple[_Shard, Tensor]], what: str) -> list[Tensor]:
+def _reduce_scatter(
+    group: Any, items: list[tuple[Any, Any]], what: str, consume: bool = False
+) -> list[Tensor]:
     """This rank's chunk of the sum over ranks of each full-size tensor.
 
     One reduce-scatter per device and dtype for the `_Shard` items: rank g's segment of the flat
     input holds chunk g of every tensor, padded to the longest segment. `_Owned` items (whole
     on one rank) go by one reduce per owner, device and dtype instead: a reduce-scatter would
-    pad every rank's segment to the most loaded owner's (a `world ×` larger buffer).
+    pad every rank's segment to the most loaded owner's (a `world ×` larger buffer). An item's
+    `dtype` (`_Owned(..., dtype=)`, `_Wide`) is the one its sum travels in, cast as it is
+    copied into the buffer; `consume`: each tensor is dropped from `items` once copied.
     """
     world = dist.get_world_size(group)
     me = dist.get_rank(group)
     buckets: dict[tuple, list[int]] = {}
     owned: dict[tuple, list[int]] = {}
     for i, (item, t) in enumerate(items):
+        dtype = getattr(item, "dtype", None) or t.dtype
         if isinstance(item, _Owned):
-            owned.setdefault((item.owner, t.device, t.dtype), []).append(i)
+            owned.setdefault((item.owner, t.device, dtype), []).append(i)
         else:
-            buckets.setdefault((t.device, t.dtype), []).append(i)
+            buckets.setdefault((t.device, dtype), []).append(i)
     out: list[Tensor | None] = [None] * len(items)
-    for (owner, _, _), indices in owned.items():
-        flat = torch.cat([items[i][1].reshape(-1) for i in indices])
+    for (owner, device, dtype), indices in owned.items():
+        sizes = [int(torch.Size(items[i][0].shape).numel()) for i in indices]
+        flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+        offset = 0
+        for i, size in zip(indices, sizes):
+            flat[offset : offset + size].copy_(items[i][1].reshape(-1))
+            offset += size
+            if consume:
+                items[i] = (items[i][0], None)
         try:
             _REDUCE(flat, dst=dist.get_global_rank(group, owner), group=group)
         except Exception as err:  # pragma: no cover - a rank died or timed out
@@ -288,6 +321,9 @@ def _reduce_scatter(group: Any, items: list[tuple[_Shard, Tensor]], what: str) -
                     shard.chunk(value, shard.chunk_of[g])
                 )
                 offset += size
+        if consume:
+            for i in indices:
+                items[i] = (items[i][0], None)
         mine = torch.empty(length, dtype=dtype, device=device)
         try:
             _REDUCE_SCATTER(mine, flat, group=group)
@@ -547,24 +583,26 @@ def _add(
     world, me = dist.get_world_size(group), dist.get_rank(group)
     items: list[tuple[Any, Tensor]] = []
     slots: list[tuple[str, str, str]] = []  # (field, name, part)
+    # sums of the Kinds that keep float64 states travel in float64 (`wide`: then one process's
+    # in any split of the data), each contribution cast as it is copied into the buffer
     for s in params:
         dtype = s.param.dtype  # FSDP's sharded dtype (mixed precision computes in another)
-        grad = values["grad"][s.name].to(dtype) * info.scale
+        grad = values["grad"].pop(s.name).to(dtype) * info.scale
         items.append((s, grad))
         slots.append(("grad", s.name, ""))
         for f, kind in kinds.items():
-            value = values[f][s.name]
+            value = values[f].pop(s.name)
             if isinstance(kind, KronKind):
                 if len(value) not in (1, 2):
                     raise ValueError(f"{f} of {s.name} has {len(value)} factors, not 1 or 2.")
+                kind.dtype = kind.dtype or dtype
                 scales = [info.scale, info.count_scale]
-                factors = [
-                    v.to(dtype) if scales[i] == 1 else v.to(dtype) * scales[i]
-                    for i, v in enumerate(value)
-                ]
-                for i, factor in enumerate(kind.widened(factors)):  # summed in float64
-                    items.append((_Owned(owners[s.name], tuple(factor.shape), world), factor))
+                for i, factor in enumerate(value):
+                    factor = factor.to(dtype) if scales[i] == 1 else factor.to(dtype) * scales[i]
+                    owned = _Owned(owners[s.name], tuple(factor.shape), world, wide_dtype(factor))
+                    items.append((owned, factor))
                     slots.append((f, s.name, f"kron{i}"))
+                del value
                 continue
             if value is not None and value.is_floating_point():
                 value = value.to(dtype)
@@ -582,9 +620,13 @@ def _add(
                 value = torch.zeros_like(grad)
             elif info.scale != 1:
                 value = value * info.scale**kind.power
-            items.append((s, kind.widened(value)))  # summed (and reduced) in float64
+            if getattr(kind, "widen", False) and wide_dtype(value) != value.dtype:
+                kind.dtype = kind.dtype or dtype
+                items.append((_Wide(s), value))
+            else:
+                items.append((s, value))
             slots.append((f, s.name, ""))
-    reduced = _reduce_scatter(group, items, "reduce the batch's quantities")
+    reduced = _reduce_scatter(group, items, "reduce the batch's quantities", consume=True)
     batch_grad: dict[str, Tensor] = {}
     parts: dict[tuple[str, str], dict[str, Tensor]] = {}
     kron: dict[tuple[str, str], list[tuple[tuple[int, ...], Tensor]]] = {}
@@ -593,16 +635,21 @@ def _add(
             kron.setdefault((f, name), []).append((owned.shape, value))
         elif f == "grad":
             batch_grad[name] = value
-            grad_state[name] = (
-                value.clone() if grad_state[name] is None else grad_state[name] + value
-            )
+            grad_state[name] = _added(grad_state[name], value)
         elif part:
             parts.setdefault((f, name), {})[part] = value
         else:
-            states[f][name] = value.clone() if states[f][name] is None else states[f][name] + value
+            states[f][name] = _added(states[f][name], value)
     for (f, name), factors in kron.items():
         if owners[name] == me:
-            states[f][name] = kinds[f].merge(states[f][name], [v.clone() for _, v in factors])
+            state = states[f][name]
+            if state is not None and len(state) != len(factors):
+                raise ValueError(f"{f} of {name}: different numbers of factors in two batches.")
+            states[f][name] = (
+                [v.clone() for _, v in factors]
+                if state is None
+                else [_added(x, v) for x, (_, v) in zip(state, factors)]
+            )
         elif states[f][name] is None:
             dtype = factors[0][1].dtype
             states[f][name] = [
@@ -615,6 +662,11 @@ def _add(
         var = (p["var"] + spread) / n
         states[f][name] = kinds[f].merge(states[f][name], (n, mean, var))
     return rows
+
+
+def _added(state: Tensor | None, value: Tensor) -> Tensor:
+    """`state + value`, in place (the sweep's own accumulator), or a copy of the first value."""
+    return value.clone() if state is None else state.add_(value)
 
 
 def _add_rows(rows, kinds, states, info: BatchScale) -> None:

@@ -52,7 +52,12 @@ def wide(t: Tensor) -> Tensor:
     thousandfold into EK-FAC's scores. Summed in float64 and cast back once, they come out the
     same in any order.
     """
-    return t.double() if t.is_floating_point() and t.dtype.itemsize < 8 else t
+    return t.to(wide_dtype(t))
+
+
+def wide_dtype(t: Tensor) -> torch.dtype:
+    """The dtype `wide(t)` has."""
+    return torch.float64 if t.is_floating_point() and t.dtype.itemsize < 8 else t.dtype
 
 
 @dataclass
@@ -130,11 +135,13 @@ class Summed(Kind):
         if not self.widen:
             return value
         self.dtype = self.dtype or value.dtype
-        return wide(value)
+        return value.to(wide_dtype(value), copy=True)  # later batches add into it in place
 
     def add(self, state, value, batch, name, grad):  # noqa: D102
         if batch.scale != 1:
             value = value * batch.scale**self.power
+        if state is not None and self.widen:  # the float64 state is the sweep's own
+            return state.add_(value)
         value = self.widened(value)
         return value if state is None else state + value
 
@@ -254,7 +261,7 @@ class KronKind(Kind):
     def widened(self, factors: list[Tensor]) -> list[Tensor]:
         """`factors` as the state sums them (remembering their own dtype)."""
         self.dtype = self.dtype or factors[0].dtype
-        return [wide(f) for f in factors]
+        return [f.to(wide_dtype(f), copy=True) for f in factors]  # later batches add in place
 
     def add(self, state, value, batch, name, grad):  # noqa: D102
         if len(value) not in (1, 2):
@@ -262,7 +269,11 @@ class KronKind(Kind):
         new = [value[0] if batch.scale == 1 else value[0] * batch.scale]
         if len(value) == 2:
             new.append(value[1] if batch.count_scale == 1 else value[1] * batch.count_scale)
-        return self.merge(state, self.widened(new))
+        if state is None:
+            return self.widened(new)
+        if len(state) != len(new):
+            raise ValueError(f"{self.savefield}: different numbers of factors in two batches.")
+        return [s.add_(v) for s, v in zip(state, new)]  # the float64 states are the sweep's own
 
     def skip(self, state, batch, name, param):  # noqa: D102
         raise ValueError(

@@ -427,13 +427,16 @@ def fully_sharded(rank: int, world: int) -> None:
     ignored = [
         (X, torch.full_like(y, -100) if i == 0 else y) for i, (X, y) in enumerate(everything)
     ]
-    exts = [DiagGGNExact(), Variance(), SumGradSquared()]
+    exts = [DiagGGNExact(), Variance(), SumGradSquared(), BatchGrad()]
     result = accumulate(model, lossfunc, ignored[: len(mine)] if rank == 0 else mine, exts)
     expected = accumulate(problem.model(), lossfunc, ignored, exts, distributed=False)
     assert result.total == expected.total < problem.N
     for field in ("diag_ggn_exact", "variance", "sum_grad_squared"):
         for pname, value in expected.quantity(field).items():
             close(result[field][pname], own_chunk(value, rank, world), f"ignored {pname} {field}")
+    _, _, _, start, stop = fsdp_shards("mlp_ce", rank, world)
+    for pname, value in expected.quantity("grad_batch").items():  # zero rows where ignored
+        close(result["grad_batch"][pname], value[start:stop], f"ignored {pname} rows")
     # mixed precision (float32 compute, float64 shards): accumulated in the shards' float64
     mixed = fsdp_model(problem, nested=False, param_dtype=torch.float32)
     floats = [(X.float(), y) for X, y in mine]
