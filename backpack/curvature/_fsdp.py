@@ -257,6 +257,24 @@ def _agreed(
         )
 
 
+#: the most bytes one reduce onto an owner sends (more items go in several reduces)
+REDUCE_CHUNK_BYTES = 64 << 20
+
+
+def _in_chunks(indices: list[int], items: list, itemsize: int) -> list[list[int]]:
+    """`indices` in consecutive groups of at most `REDUCE_CHUNK_BYTES` (or one item each)."""
+    groups: list[list[int]] = []
+    size = 0
+    for i in indices:
+        nbytes = int(torch.Size(items[i][0].shape).numel()) * itemsize
+        if not groups or size + nbytes > REDUCE_CHUNK_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += nbytes
+    return groups
+
+
 def _reduce_scatter(
     group: Any, items: list[tuple[Any, Any]], what: str, consume: bool = False
 ) -> list[Tensor]:
@@ -265,7 +283,8 @@ def _reduce_scatter(
     One reduce-scatter per device and dtype for the `_Shard` items: rank g's segment of the flat
     input holds chunk g of every tensor, padded to the longest segment. `_Owned` items (whole
     on one rank) go by one reduce per owner, device and dtype instead: a reduce-scatter would
-    pad every rank's segment to the most loaded owner's (a `world ×` larger buffer). An item's
+    pad every rank's segment to the most loaded owner's (a `world ×` larger buffer), in reduces
+    of at most `REDUCE_CHUNK_BYTES` (then the buffer does not grow with the model). An item's
     `dtype` (`_Owned(..., dtype=)`, `_Wide`) is the one its sum travels in, cast as it is
     copied into the buffer; `consume`: each tensor is dropped from `items` once copied.
     """
@@ -281,28 +300,30 @@ def _reduce_scatter(
             buckets.setdefault((t.device, dtype), []).append(i)
     out: list[Tensor | None] = [None] * len(items)
     for (owner, device, dtype), indices in owned.items():
-        sizes = [int(torch.Size(items[i][0].shape).numel()) for i in indices]
-        flat = torch.empty(sum(sizes), dtype=dtype, device=device)
-        offset = 0
-        for i, size in zip(indices, sizes):
-            flat[offset : offset + size].copy_(items[i][1].reshape(-1))
-            offset += size
-            if consume:
-                items[i] = (items[i][0], None)
-        try:
-            _REDUCE(flat, dst=dist.get_global_rank(group, owner), group=group)
-        except Exception as err:  # pragma: no cover - a rank died or timed out
-            raise RuntimeError(
-                f"The FSDP2 sweep could not {what}: a rank did not get there within "
-                f"{_dist.TIMEOUT_S:g} s (backpack.distributed.TIMEOUT_S)."
-            ) from err
-        offset = 0
-        for i in indices:
-            shape = items[i][0].shape
-            size = int(torch.Size(shape).numel())
-            out[i] = flat[offset : offset + size].view(shape) if owner == me else flat[:0]
-            offset += size
-        del flat
+        for group_indices in _in_chunks(indices, items, dtype.itemsize):
+            sizes = [int(torch.Size(items[i][0].shape).numel()) for i in group_indices]
+            flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+            offset = 0
+            for i, size in zip(group_indices, sizes):
+                flat[offset : offset + size].copy_(items[i][1].reshape(-1))
+                offset += size
+                if consume:
+                    items[i] = (items[i][0], None)
+            try:
+                _REDUCE(flat, dst=dist.get_global_rank(group, owner), group=group)
+            except Exception as err:  # pragma: no cover - a rank died or timed out
+                raise RuntimeError(
+                    f"The FSDP2 sweep could not {what}: a rank did not get there within "
+                    f"{_dist.TIMEOUT_S:g} s (backpack.distributed.TIMEOUT_S)."
+                ) from err
+            offset = 0
+            for i, size in zip(group_indices, sizes):
+                if owner == me:
+                    out[i] = flat[offset : offset + size].view(items[i][0].shape)
+                else:  # not a view: it would keep the whole buffer alive
+                    out[i] = flat.new_empty(0)
+                offset += size
+            del flat
     for (device, dtype), indices in buckets.items():
         sizes = [
             [

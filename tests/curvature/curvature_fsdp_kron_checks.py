@@ -308,8 +308,28 @@ def ekfac_tokens(rank: int, world: int) -> None:
         compare_ekfac(model, ref, lossfunc, mine, everything, rank, world, **options)
 
 
+def small_reduces(check: Callable) -> Callable:
+    """`check` with reduces onto owners of at most 1 KiB: several reduces per owner and batch."""
+
+    def run(rank: int, world: int) -> None:
+        from backpack.curvature import _fsdp
+
+        limit = _fsdp.REDUCE_CHUNK_BYTES
+        _fsdp.REDUCE_CHUNK_BYTES = 1024
+        try:
+            check(rank, world)
+        finally:
+            _fsdp.REDUCE_CHUNK_BYTES = limit
+
+    return run
+
+
 MAIN: list[tuple[str, Callable]] = [
     ("kron-mlp_ce-mean-nested", accumulate_kron_case("mlp_ce", "mean", nested=True)),
+    (
+        "kron-cnn_ce-sum-small-reduces",
+        small_reduces(accumulate_kron_case("cnn_ce", "sum", nested=True)),
+    ),
     ("kron-mlp_mse-sum", accumulate_kron_case("mlp_mse", "sum", nested=False)),
     ("kron-cnn_ce-mean-nested", accumulate_kron_case("cnn_ce", "mean", nested=True)),
     ("kron-token_ce-sum", accumulate_kron_case("token_ce", "sum", nested=False)),
