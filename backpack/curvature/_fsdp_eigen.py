@@ -38,7 +38,7 @@ from backpack.curvature._distributed import all_sum as _all_sum
 from backpack.curvature._eigen import EigenState, eigen_rules
 from backpack.curvature._fsdp import _Owned, _reduce_scatter, reshard
 from backpack.curvature._fsdp_blocks import ShardedBlocks
-from backpack.curvature._quantities import wide
+from backpack.curvature._quantities import wide_dtype
 from backpack.curvature._rows import row_batches
 from backpack.curvature.accumulate import accumulate_over
 
@@ -185,8 +185,9 @@ def rows_correction(
             lent.vectors = broadcast_vectors(b, owner, group, device)
             dtype = lent.vectors[0].dtype if lent.vectors else b.values.dtype
             picked = {n: rows[n].to(dtype) for n in b.names}
-            squares = wide(lent.squares(lent.gather(picked)))  # summed in float64
-            item = (_Owned(owner, tuple(squares.shape), world), squares)
+            squares = lent.squares(lent.gather(picked))
+            # summed in float64 (cast into the reduce's buffer)
+            item = (_Owned(owner, tuple(squares.shape), world, wide_dtype(squares)), squares)
             (received,) = _reduce_scatter(group, [item], "sum EKFAC's corrected eigenvalues")
             if owner == me:
                 mine = received.view(squares.shape)

@@ -37,7 +37,7 @@ from backpack.curvature._distributed import (
 from backpack.curvature._fsdp import _Owned, is_fully_sharded, plain_zeros, reshard
 from backpack.curvature._fsdp import _reduce_scatter as reduce_onto
 from backpack.curvature._lent import kron_layer, kron_targets
-from backpack.curvature._quantities import wide
+from backpack.curvature._quantities import wide, wide_dtype
 from backpack.curvature._rows import row_batches
 from backpack.curvature._sweep import Sweep
 from backpack.curvature.ekfac import EKFAC, EigenBlock, kfac_eigenblocks
@@ -155,9 +155,11 @@ def _sharded_diagonal(sweep, fisher, mc_samples, seed, folded, params):
     seed += placement.me
     for n, pairs in _diagonal_sums(sweep, fisher, mc_samples, seed, params):
         count += n
-        for name, value in pairs:  # one parameter at a time: whole on its owner
-            value = wide(value)
-            item = (_Owned(owner[name], tuple(value.shape), placement.world), value)
+        for name, value in pairs:  # one parameter at a time: whole on its owner, in float64
+            item = (
+                _Owned(owner[name], tuple(value.shape), placement.world, wide_dtype(value)),
+                value,
+            )
             (reduced,) = reduce_onto(placement.group, [item], "reduce the diagonal")
             if name in mine:
                 sums[name] += reduced.view(value.shape)
