@@ -360,19 +360,15 @@ def accumulate_over(
         return _sharded(sweep, extensions, callback, total, write)
     refuse_unfaithful_gradients(sweep.model, sweep.what)
     group = sweep.group
-    stream_total = None
-    if callback is not None:
-        if sweep.reduction == "sum":
-            stream_total = 1.0
-        elif total is not None:
-            stream_total = float(total)
-        else:
-            sweep.needs_reiterable("accumulate(callback=...) without total=")
-            counted, error = guarded(group, sweep.count_normaliser, "accumulate")
-            if group is None:
-                stream_total = counted
-            else:  # the whole data set's
-                (stream_total,) = all_sum(group, [], [counted or 0.0], error, "count ν")
+
+    def count() -> float:
+        counted, error = guarded(group, sweep.count_normaliser, "accumulate")
+        if group is None:
+            return counted
+        (counted,) = all_sum(group, [], [counted or 0.0], error, "count ν")  # every rank's
+        return counted
+
+    stream_total = _stream_total(sweep, callback, total, count)
     result, error = guarded(
         group, lambda: _local_sweep(sweep, extensions, callback, stream_total), "accumulate"
     )
@@ -398,24 +394,30 @@ def _sharded(sweep: Sweep, extensions, callback, total, write) -> Accumulated:
         )
     kinds = _extensions(extensions)
     exts = [extensions] if isinstance(extensions, BackpropExtension) else list(extensions)
-    stream_total = None
-    if callback is not None:
-        if sweep.reduction == "sum":
-            stream_total = 1.0
-        elif total is not None:
-            stream_total = float(total)
-        else:
-            sweep.needs_reiterable("accumulate(callback=...) without total=")
-            stream_total = count_total(sweep)
-        for kind in kinds.values():
-            if isinstance(kind, Rows):
-                kind.callback = callback
+    stream_total = _stream_total(sweep, callback, total, lambda: count_total(sweep))
+    for kind in kinds.values():
+        if isinstance(kind, Rows):
+            kind.callback = callback
     fields = sharded_sweep(sweep, exts, kinds, _dist_group(), stream_total)
     result = Accumulated(**fields)
     _check_streamed(result.stream_total, result.reduction, result.total)
     if write:
         result.write(sweep.model)
     return result
+
+
+def _stream_total(
+    sweep: Sweep, callback: Callback | None, total: float | None, count: Callable[[], float]
+) -> float | None:
+    """The `ν` streamed rows are divided by: 1 for "sum", `total` if given, else `count()`."""
+    if callback is None:
+        return None
+    if sweep.reduction == "sum":
+        return 1.0
+    if total is not None:
+        return float(total)
+    sweep.needs_reiterable("accumulate(callback=...) without total=")
+    return count()
 
 
 def _check_streamed(stream_total: float | None, reduction: str, nu_total: float) -> None:
