@@ -1262,7 +1262,8 @@ class EmpiricalFisher(_DataOperator):
         count = blocks[0].shape[0]
         self.sweep.extend()
         rows, _ = batch_rows(self.sweep, self.sweep.trainable(), batch, "grad")
-        # in V's dtype: under FSDP2's mixed precision the rows come in its param_dtype
+        # in V's dtype (`batch_rows` gives at least the parameters' dtype: float32 rows of
+        # 16-bit parameters meet V here)
         flat = [rows.pop(s.name).flatten(1).to(b.dtype) for s, b in zip(layout.trainable, blocks)]
         slopes = None  # [N_b, K]: each sample's directional derivatives g_nᵀ v_k
         for shard, r, block in zip(layout.trainable, flat, blocks):
