@@ -164,6 +164,10 @@ class _Addition:
         """The gradient edge of the addition's output (a target for curvature factors)."""
         return GradientEdge(self.node, 0)
 
+    def operand_grad(self, grad: Tensor) -> Tensor:
+        """The broadcast operand's side of the output gradient `grad` (an addition passes it)."""
+        return grad
+
     def per_sample(self, grad: Tensor, out_shape: torch.Size, lead: int = 0) -> Tensor | None:
         """`[*lead, N, *out_shape]` per-sample gradients from the addition's, or None.
 
@@ -247,11 +251,12 @@ class _Product(_Addition):
         self._other = "_saved_self" if index == 1 else "_saved_other"
 
     def _capture(self, grads: tuple) -> None:
-        if grads[0] is None:
-            self.captured = None
-            return
+        self.captured = None if grads[0] is None else self.operand_grad(grads[0])
+
+    def operand_grad(self, grad: Tensor) -> Tensor:
+        """The parameter side's gradient: the output's times the other factor."""
         other = getattr(self.node, self._other)
-        self.captured = grads[0] * other.to(grads[0].dtype)
+        return grad * other.to(grad.dtype)
 
 
 class BroadcastSite:
@@ -409,14 +414,41 @@ class ParamSite:
 
     def per_sample(self) -> Tensor | None:
         """`[N, *param.shape]` from every use's captured gradient (None: one is missing)."""
+        return self._shares([part.captured for part, _ in self.parts], 0)
+
+    @property
+    def edges(self) -> list[GradientEdge]:
+        """The output edges of the operations that broadcast the parameter (factor targets)."""
+        return [part.edge for part, _ in self.parts]
+
+    def per_sample_of(
+        self, grads: list[Tensor | None], lead: tuple[int, ...], like: Tensor
+    ) -> Tensor | None:
+        """`[*lead, N, *param.shape]` from output gradients at `edges` with `lead` axes first.
+
+        The curvature pass backpropagates its factor columns to `edges`; each sample's share of
+        a column is the parameter's square-root factor (None: some share cannot be split). A
+        missing gradient (an operation the columns do not reach) counts as zeros like `like`.
+        """
+        sides = []
+        for (part, _), grad in zip(self.parts, grads):
+            if grad is None:
+                shape = _forward_shape(part.node)
+                if shape is None:
+                    return None
+                grad = like.new_zeros(*lead, *shape)
+            sides.append(part.operand_grad(grad))
+        return self._shares(sides, len(lead))
+
+    def _shares(self, grads: list[Tensor | None], lead: int) -> Tensor | None:
         total = None
-        for part, shape in self.parts:
-            if part.captured is None:
+        for (part, shape), grad in zip(self.parts, grads):
+            if grad is None:
                 return None
-            share = part.per_sample(part.captured, torch.Size(shape))
+            share = part.per_sample(grad, torch.Size(shape), lead)
             if share is None:
                 return None
-            share = share.reshape(share.shape[0], *self.shape)
+            share = share.reshape(*share.shape[: lead + 1], *self.shape)
             if total is not None and share.shape != total.shape:
                 return None
             total = share if total is None else total + share
@@ -472,6 +504,15 @@ def _param_site(param: Tensor, parents: dict[int, list[tuple[Any, int]]]) -> Par
                 alpha = -alpha
             parts.append((_Addition(consumer, alpha), shape))
     return ParamSite(param, start, parts)
+
+
+def _batch_statistics_inside(module: nn.Module) -> bool:
+    """Whether a batch normalisation inside `module` normalises with the batch's statistics."""
+    return any(
+        isinstance(m, nn.modules.batchnorm._BatchNorm)
+        and (m.training or (m.running_mean is None and m.running_var is None))
+        for m in module.modules()
+    )
 
 
 def _close_all(parts: list[tuple[_Addition, tuple[int, ...]]]) -> None:
@@ -541,9 +582,7 @@ class SampleLayout:
         # losses need to know which calls they reach; otherwise nothing is walked up front
         layout.candidates = has_sample_free_records()
         layout._containers = [r for r in container_records() if find_rule(r.module) is None]
-        if layout.losses and (
-            len(layout.losses) > 1 or layout.candidates or layout._containers
-        ):
+        if layout.losses and (len(layout.losses) > 1 or layout.candidates or layout._containers):
             layout.walk(batch_size)
         return layout
 
@@ -682,6 +721,22 @@ class SampleLayout:
         for param_site in self.param_sites.values():
             param_site.close()
         self.param_sites = {}
+
+    def sites_of(self, record: Record) -> dict[str, ParamSite] | None:
+        """The sites of a rule-less call's own parameters, if all meet the samples only there.
+
+        Their per-sample quantities are then read off the pass's own graph, without a
+        `torch.func` re-run of the call; so, unlike that fallback, they need no check that a
+        sample alone gives its output (dropout masks are the forward's). Not for calls that
+        normalise with their batch's statistics, whose samples are coupled.
+        """
+        params = call_params(record)
+        sites = {name: self.param_sites.get(id(p)) for name, p in params.items()}
+        if not sites or any(site is None for site in sites.values()):
+            return None
+        if find_rule(record.module) is not None or _batch_statistics_inside(record.module):
+            return None
+        return sites  # type: ignore[return-value]
 
     # --- per call ----------------------------------------------------------------------------
     @property

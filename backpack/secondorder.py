@@ -395,8 +395,9 @@ def on_loss_backward(
             state.loss_columns.setdefault(key, {})[pos] = (s.shape[0], sign)
         convolutional = any(isinstance(r.module, nn.modules.conv._ConvNd) for r, _, _ in found)
         broadcast = any(id(r) in state.layout.broadcast for r, _, _ in found)
-        columns = _LossColumns(out_edge, found, keys, factors, pos, sign)
-        plain_rows = positions is None and not broadcast
+        sites = site_calls(state, found)
+        columns = _LossColumns(out_edge, found, keys, factors, pos, sign, sites)
+        plain_rows = positions is None and not broadcast and not sites
         if convolutional and plain_rows and _reducible_now(state, columns):
             _reduce_columns(state, columns)
         else:
@@ -438,11 +439,15 @@ def _check_exact_size(record: Record, exts: list[SecondOrderBackpropExtension]) 
     names = ", ".join(sorted({e.__class__.__name__ for e in exts}))
     size = elements * max(out.element_size(), 4) / 2**30
     jacobian = all(e.factor == "jacobian" for e in exts)
-    what = "unit columns (one per output entry of a sample) at" if jacobian else (
-        "the exact Hessian factor of"
+    what = (
+        "unit columns (one per output entry of a sample) at"
+        if jacobian
+        else "the exact Hessian factor of"
     )
-    instead = "" if jacobian else (
-        "the Monte-Carlo versions (DiagGGNMC, BatchDiagGGNMC, SqrtGGNMC, KFAC), "
+    instead = (
+        ""
+        if jacobian
+        else "the Monte-Carlo versions (DiagGGNMC, BatchDiagGGNMC, SqrtGGNMC, KFAC), "
     )
     raise NotImplementedError(
         f"{names} need{'s' if len(exts) == 1 else ''} {what} "
@@ -463,26 +468,73 @@ class _LossColumns(NamedTuple):
     factors: list[Tensor]  #: `[V, N, *out]` per key
     pos: int  #: the loss's position in the pass
     sign: float  #: -1 for a loss entering the backward with a negative weight
+    #: id(record) -> the sites of a rule-less call's own parameters (`site_calls`)
+    sites: dict[int, dict[str, Any]]
+
+
+def site_calls(state: BackwardState, found: list[tuple[Record, int, Any]]) -> dict[int, Any]:
+    """Rule-less calls whose own parameters' square roots are read at their sites.
+
+    A vision transformer's class token and position embedding meet the samples where they
+    are broadcast over them (`samples.ParamSite`): backpropagating the factor columns to those
+    operations gives each sample's share, where the `torch.func` fallback would re-run the
+    whole model per sample (and read values on the host to check it may). For square roots,
+    diagonals and Kronecker (dense) blocks; matrix products, residual terms and sums over
+    samples of another layout (distributed, placed rows) keep the fallback.
+    """
+    layout = state.layout
+    if not layout.param_sites or state.sync is not None or layout.several_groups:
+        return {}
+    if any(
+        e.output not in _SITE_OUTPUTS or e.residual is not None or e.factor == "sum"
+        for e in state.second_order
+    ):
+        return {}
+    calls = {}
+    for record, _, _ in found:
+        sites = None if record.freed else layout.sites_of(record)
+        if sites and all(site.parts for site in sites.values()):
+            calls[id(record)] = sites
+    return calls
+
+
+#: second-order outputs a rule-less call's parameters may take from their sites
+_SITE_OUTPUTS = ("diag", "batch_diag", "sqrt", "jacobian", "kron")
 
 
 def _store_factors(state: BackwardState, columns: _LossColumns, convolutional: bool) -> None:
     """Backpropagate the factors to every target and store them there for the module rules."""
-    out_edge, found, keys, factors, pos, sign = columns
+    out_edge, found, keys, factors, pos, sign, param_sites = columns
     sizes = [f.shape[0] for f in factors]
     # calls broadcast over the samples (position embeddings) take the factor before the
     # broadcast's sum over samples
     sites = [state.layout.broadcast.get(id(r)) for r, _, _ in found]
     extra_edges = [edge for site in sites if site is not None for edge in site.edges]
+    # rule-less calls' own parameters take it where they are broadcast (once per call)
+    own = {id(r): r for r, _, _ in found if id(r) in param_sites}
+    own_edges = [edge for key in own for site in param_sites[key].values() for edge in site.edges]
+    columns_in = torch.cat(factors)
     results = propagate(
         state,
         out_edge,
-        [e for _, _, e in found] + extra_edges,
-        torch.cat(factors),
+        [e for _, _, e in found] + extra_edges + own_edges,
+        columns_in,
         loop=convolutional,
     )
-    broadcast_results = iter(results[len(found) :])
+    broadcast_results = iter(results[len(found) : len(found) + len(extra_edges)])
+    site_results = iter(results[len(found) + len(extra_edges) :])
+    own_roots = {
+        key: _site_roots(r, param_sites[key], site_results, columns_in) for key, r in own.items()
+    }
     for (target, index, _), result, site in zip(found, results, sites):
-        if site is not None:
+        if id(target) in param_sites:
+            # the first output the loss reaches holds all of it (the others hold none)
+            result = own_roots.pop(id(target), None)
+            if result is None:
+                continue
+        else:
+            target.extra.pop(SITE_PARAMS, None)  # factors at the outputs (an earlier pass's?)
+        if site is not None and id(target) not in param_sites:
             spread = [next(broadcast_results) for _ in site.parts]
             shape = target.outputs[index].shape
             per_sample = site.per_sample(spread, shape, lead=1)
@@ -504,6 +556,34 @@ def _store_factors(state: BackwardState, columns: _LossColumns, convolutional: b
                 pos, ([None] * len(target.outputs), key_sign)
             )
             slot[0][index] = part
+
+
+def _site_roots(
+    record: Record, sites: dict[str, Any], results: Iterator, columns: Tensor
+) -> Tensor:
+    """`[V, N, P]`: the square roots of a call's own parameters, flattened and concatenated.
+
+    Stored as the call's factor; `record.extra[SITE_PARAMS]` names the parts (`SiteRule`).
+    """
+    roots = []
+    for name, site in sites.items():
+        grads = [next(results) for _ in site.parts]
+        root = site.per_sample_of(grads, columns.shape[:1], columns)
+        if root is None:
+            raise RuntimeError(
+                f"Parameter {name} of {describe(record.module)} meets the samples where it is "
+                "broadcast over them, but its per-sample shares of the curvature factor cannot "
+                "be split there. Compute it inside a submodule, or report the model to backpack."
+            )
+        roots.append(root.flatten(2))
+    names = [(name, site.shape) for name, site in sites.items()]
+    record.extra[SITE_PARAMS] = (roots[0].shape[1], names)
+    return torch.cat(roots, dim=2)
+
+
+#: `Record.extra` key: the samples, and (name, shape) of each parameter whose roots the call's
+#: factor holds
+SITE_PARAMS = "site_params"
 
 
 def _reducible_now(state: BackwardState, columns: _LossColumns) -> bool:
@@ -550,7 +630,7 @@ def _reduce_columns(state: BackwardState, columns: _LossColumns) -> None:
     the `V`-column factor of every target, and keeps one column's intermediates alive instead
     of `V`.
     """
-    out_edge, found, keys, factors, pos, sign = columns
+    out_edge, found, keys, factors, pos, sign, _ = columns
     flags, approxes = {}, {}
     for key in keys:
         users = [e for e in state.second_order if e.factor_key == key]

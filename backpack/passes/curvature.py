@@ -8,6 +8,7 @@ with several calls, several losses or several sets of samples are combined when 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -216,9 +217,8 @@ def run_second_order(
             "recognised too: F.cross_entropy (without label_smoothing), F.mse_loss, "
             "F.binary_cross_entropy_with_logits."
         )
-    rule = find_rule(module)
-    if rule is None:
-        rule = GENERIC_RULE
+    sited = secondorder.SITE_PARAMS in record.extra
+    rule = SITE_RULE if sited else find_rule(module) or GENERIC_RULE
     if rule.mixes_samples(record):
         raise NotImplementedError(f"{names} {is_are(exts)} {mixing_message(module)}")
     if record.recomputed:
@@ -236,7 +236,8 @@ def run_second_order(
         _store_empty_second_order(state, record, params)
         return False
     for name, p in params.items():
-        cover(state, record, filled, rule, name, p, None)
+        if not sited:  # a site is the parameter's only use (`samples.ParamSite`)
+            cover(state, record, filled, rule, name, p, None)
     direct, shared = state.split_uses(record, params)
     if direct:
         for ext in exts:
@@ -255,6 +256,36 @@ def run_second_order(
         if curvature.seen >= curvature.expected:
             finalize_curvature(state, curvature)
     return any(id(p) in state.curvatures for p in params.values())
+
+
+class SiteRule(ModuleRule):
+    """A rule-less call whose own parameters' square roots were read at their sites.
+
+    `secondorder.site_calls`: the call's factor holds them, `[V, N, P]` flattened and
+    concatenated in the order of `record.extra[secondorder.SITE_PARAMS]` (after the sample
+    count). Diagonals and dense Kronecker blocks follow from the square roots (the base rule's
+    defaults).
+    """
+
+    def batch_size(self, record: Record) -> int:  # noqa: D102
+        return record.extra[secondorder.SITE_PARAMS][0]
+
+    def sqrt_factor(self, record, factors, names, subsampling=None):  # noqa: D102
+        flat = next(f for f in factors if f is not None)
+        layout = record.extra[secondorder.SITE_PARAMS][1]
+        parts = flat.split([math.prod(shape) for _, shape in layout], dim=2)
+        roots = {
+            name: part.reshape(*flat.shape[:2], *shape)
+            for (name, shape), part in zip(layout, parts)
+            if name in names
+        }
+        if subsampling is not None:
+            index = torch.as_tensor(subsampling, dtype=torch.long, device=flat.device)
+            roots = {name: root.index_select(1, index) for name, root in roots.items()}
+        return roots
+
+
+SITE_RULE = SiteRule()
 
 
 def _store_empty_second_order(

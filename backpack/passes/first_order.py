@@ -418,27 +418,11 @@ def _captured_sites(
     Then their per-sample gradients come from the sites (`samples.ParamSite`), without a
     `torch.func` re-run of the call.
     """
-    sites = {name: state.layout.param_sites.get(id(p)) for name, p in params.items()}
-    if not sites or any(site is None for site in sites.values()):
-        return None
     if state.sync is not None or state.layout.several_groups:
         return None  # distributed sums and placed rows: the general path
     if state.derived_sums is not None and any(id(p) in state.derived_sums for p in params.values()):
         return None
-    if find_rule(record.module) is not None or _batch_statistics_inside(record.module):
-        return None
-    # the shares are read off the pass's own graph: no re-run, so unlike the fallback they
-    # need no check that a sample alone gives its output (dropout masks are the forward's)
-    return sites
-
-
-def _batch_statistics_inside(module: nn.Module) -> bool:
-    """Whether a batch normalisation inside `module` normalises with the batch's statistics."""
-    return any(
-        isinstance(m, nn.modules.batchnorm._BatchNorm)
-        and (m.training or (m.running_mean is None and m.running_var is None))
-        for m in module.modules()
-    )
+    return state.layout.sites_of(record)
 
 
 def finish_param_sites(state: BackwardState) -> None:

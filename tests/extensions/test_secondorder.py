@@ -226,3 +226,39 @@ def test_kfra_refuses_shared_parameters():
     lossfunc = extend(torch.nn.CrossEntropyLoss())
     with pytest.raises(NotImplementedError, match="several times"), backpack(KFRA()):
         lossfunc(model(torch.randn(4, 3)), torch.randint(0, 2, (4,))).backward()
+
+
+#: containers whose own parameters meet the samples only where they are broadcast over them
+SITES = [p for p in SECOND if p.id.startswith("container") and "own-matrix" not in p.id]
+
+
+@pytest.mark.parametrize("problem", SITES, ids=ids(SITES))
+def test_site_parameters_without_fallback(problem, monkeypatch):
+    """A class token, a position embedding and a LayerScale take their curvature at their
+    sites: no torch.func re-run of the whole container, first-order quantities unchanged."""
+    from problems import reference_per_sample_grads
+
+    from backpack.extensions import BatchGrad
+    from backpack.rules.generic import FuncRule
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the torch.func fallback ran")
+
+    monkeypatch.setattr(FuncRule, "samples_independent", refuse)
+    monkeypatch.setattr(FuncRule, "per_sample_grads", refuse)
+    ref = reference(problem.id, False)
+    exts = [DiagGGNExact(), BatchDiagGGNExact(), SqrtGGNExact(), KFLR(), BatchGrad()]
+    model = run(problem, *exts)
+    own = {name for name, _ in model.named_parameters(recurse=False)}
+    model2, x, lossfunc, y = problem.build()
+    grads = reference_per_sample_grads(model2, x, lossfunc, y)
+    assert own
+    for name, p in model.named_parameters():
+        close(p.diag_ggn_exact, ref.diag(ref.ggn, name), name)
+        close(p.diag_ggn_exact_batch, ref.diag(ref.ggn_per_sample, name), name)
+        sqrt = p.sqrt_ggn_exact.flatten(2)
+        close(torch.einsum("vnp,vnq->pq", sqrt, sqrt), ref.block(ref.ggn, name), name)
+        close(p.grad_batch, grads[name], name)
+        if name in own:  # no Kronecker rule: the parameter's dense GGN block
+            (block,) = p.kflr
+            close(block, ref.block(ref.ggn, name), name)
