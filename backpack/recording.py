@@ -914,10 +914,13 @@ def _unaliased(module: nn.Module, args: tuple, kwargs: dict, out: Tensor) -> Ten
     Views of a tensor computed inside the call are replaced: without a copy for the classes of
     `PRIVATE_VIEW_OUTPUTS`, else by a copy (the base may be saved by a node of the call, whose
     check for in-place changes must keep working). Views of inputs, parameters or buffers are
-    kept: the user may rely on writing through them.
+    kept: the user may rely on writing through them. A call whose own parameters are all
+    frozen keeps its output, like a call without parameters: nothing is computed for it.
     """
     base = out._base
-    if base is None or base.grad_fn is None or not _owned_parameters(module):
+    if base is None or base.grad_fn is None:
+        return None
+    if not any(p is not None and p.requires_grad for p in _owned_parameters(module).values()):
         return None
     for a in (*args, *kwargs.values()):
         if isinstance(a, Tensor) and (a is base or a._base is base):

@@ -17,6 +17,7 @@ from torch import nn
 from backpack import backpack, disable, extend
 from backpack.context import CTX
 from backpack.extensions import (
+    BatchDiagGGNExact,
     BatchDotGrad,
     BatchGrad,
     BatchL2Grad,
@@ -1080,21 +1081,18 @@ class ScaleThenDropout(nn.Module):
 
 
 @pytest.mark.filterwarnings("ignore:backpack has no dedicated rule for:UserWarning")
-@pytest.mark.parametrize("cls", [Centred, ScaleThenDropout])
 @pytest.mark.parametrize("extension", [BatchL2Grad, Variance, DiagGGNExact])
-def test_a_module_whose_samples_are_not_independent_is_refused(extension, cls):
+def test_a_module_whose_samples_are_not_independent_is_refused(extension):
     """Subtracting the batch mean mixes samples, as BatchNorm in training mode does; vmap would
-    run it on each sample alone (another function), or draw new dropout masks, without
-    complaint. (First-order quantities of `ScaleThenDropout` come from where its weight meets
-    the samples instead, with the forward's own masks: see the next test.)"""
-    if cls is ScaleThenDropout and extension is not DiagGGNExact:
-        pytest.skip("computed from the weight's site (next test)")
+    run it on each sample alone (another function) without complaint. (`ScaleThenDropout`,
+    whose samples a re-run would give new dropout masks, gets its quantities where its weight
+    meets the samples instead, with the forward's own masks: see the next tests.)"""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(D_IN, D_HID), cls(D_HID), nn.Linear(D_HID, D_OUT))
+    model = nn.Sequential(nn.Linear(D_IN, D_HID), Centred(D_HID), nn.Linear(D_HID, D_OUT))
     extend(model.to(DTYPE))
     x, y = batch()
     loss = extend(nn.CrossEntropyLoss())(model(x), y)
-    with pytest.raises(NotImplementedError, match=rf"'1' \({cls.__name__}\): its samples are not"):
+    with pytest.raises(NotImplementedError, match=r"'1' \(Centred\): its samples are not"):
         with backpack(extension()):
             loss.backward()
 
@@ -1119,6 +1117,52 @@ def test_dropout_inside_a_module_without_rule_uses_the_forwards_masks(extension)
     for name, p in model.named_parameters():
         expected = first_order_reference(reference[name], quantity)
         torch.testing.assert_close(getattr(p, quantity), expected, msg=name)
+
+
+class ScaleThenMask(nn.Module):
+    """`ScaleThenDropout` with the dropout's realised multiplier as a fixed tensor."""
+
+    def __init__(self, multiplier):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(multiplier.shape[-1], dtype=multiplier.dtype))
+        self.register_buffer("multiplier", multiplier)
+
+    def forward(self, x):
+        return x * self.weight * self.multiplier
+
+
+def test_dropout_inside_a_module_without_rule_curvature_uses_the_forwards_masks():
+    """Second order reads the weight of `ScaleThenDropout` at its site as well: the GGN of the
+    network with the forward's masks, as for `nn.Dropout` in training mode
+    (tests/extensions/test_dropout_second_order.py), and no re-run per sample."""
+    from second_order_reference import Curvature
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D_IN, D_HID), ScaleThenDropout(D_HID), nn.Linear(D_HID, D_OUT))
+    model.to(DTYPE)
+    x, y = batch()
+    seen = {}
+
+    def keep_multiplier(module, inputs, output):
+        seen["mult"] = output.detach() / inputs[0].detach()
+
+    model[1].drop.register_forward_hook(keep_multiplier)
+    lossfunc = extend(nn.CrossEntropyLoss())
+    extend(model)
+    torch.manual_seed(1)
+    with backpack(DiagGGNExact(), BatchDiagGGNExact()):
+        lossfunc(model(x), y).backward()
+    multiplier = seen["mult"].detach()
+    assert (multiplier == 0).any() and (multiplier != 0).any()  # the mask drops some units
+    fixed = nn.Sequential(
+        nn.Linear(D_IN, D_HID), ScaleThenMask(multiplier), nn.Linear(D_HID, D_OUT)
+    )
+    fixed.load_state_dict(model.state_dict(), strict=False)
+    ref = Curvature(fixed.to(DTYPE), x, nn.CrossEntropyLoss(), y, hessian=False)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, ref.diag(ref.ggn, name), msg=name)
+        expected = ref.diag(ref.ggn_per_sample, name)
+        torch.testing.assert_close(p.diag_ggn_exact_batch, expected, msg=name)
 
 
 @pytest.mark.filterwarnings("ignore:Extension saving to grad_batch does not have:UserWarning")

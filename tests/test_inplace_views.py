@@ -85,3 +85,41 @@ def test_recorded_output_values_after_inplace_ops(monkeypatch):
     with backpack(BatchGrad(), extension_hook=hook):
         model(x).sum().backward()
     torch.testing.assert_close(seen["output"], torch.nn.functional.linear(x, lin.weight, lin.bias))
+
+
+class FrozenHead(nn.Module):
+    """A model owning a (frozen) parameter that returns a view: transposed logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(3, 5), nn.Tanh())
+        self.head = nn.Parameter(torch.randn(5, 4, dtype=torch.float64), requires_grad=False)
+
+    def forward(self, x):
+        return (self.body(x) @ self.head).transpose(1, 2)
+
+
+def test_a_call_with_frozen_parameters_keeps_its_view_output():
+    """Nothing is computed for frozen parameters: their call's view output is not copied (a
+    GPT's transposed logits), and its submodules still get their quantities, in-place ops on
+    the output included."""
+    model = extend(FrozenHead().double())
+    lossfunc = extend(nn.CrossEntropyLoss(reduction="sum"))
+    x, y = torch.randn(2, 6, 3, dtype=torch.float64), torch.randint(0, 4, (2, 6))
+    out = model(x)
+    assert out._base is not None  # no copy
+    model.head.requires_grad_(True)
+    assert model(x)._base is None  # a trained parameter: the view is replaced
+    model.head.requires_grad_(False)
+    for inplace in (False, True):
+        out = model(x)
+        if inplace:
+            out.mul_(1.5)
+        with backpack(BatchGrad()):
+            lossfunc(out, y).backward()
+        for n in range(2):
+            model.zero_grad()
+            single = model(x[n : n + 1])
+            lossfunc(single * 1.5 if inplace else single, y[n : n + 1]).backward()
+            weight = model.body[0].weight
+            torch.testing.assert_close(weight.grad_batch[n], weight.grad)
