@@ -548,7 +548,10 @@ def _store_factors(state: BackwardState, columns: _LossColumns, convolutional: b
         # for 16-bit outputs (mixed precision)
         result = promote_half(result)
         per_key = target.extra.setdefault("factors", {})
-        parts = [None] * len(sizes) if result is None else result.split(sizes)
+        if result is None:
+            parts = [None] * len(sizes)
+        else:  # (one key: no split, which is an operator call too)
+            parts = [result] if len(sizes) == 1 else result.split(sizes)
         for key, part in zip(keys, parts):
             # a Jacobian's columns carry no loss weight, hence no sign
             key_sign = 1.0 if key[0] == "jacobian" else sign

@@ -29,15 +29,17 @@ from backpack.variance import centred_squares, outer_centred_squares
 
 def _flat_input(record: Record) -> Tensor:
     """Input as `[N, T, in]` (T = 1 for 2-D inputs)."""
-    x = record.args[0]
-    return x.reshape(x.shape[0], -1, x.shape[-1])
+    return _rows(record.args[0])
+
+
+def _rows(t: Tensor) -> Tensor:
+    """`t` as `[N, T, features]`; a 3-D `t` as it is (a reshape is an operator call too)."""
+    return t if t.dim() == 3 else t.reshape(t.shape[0], -1, t.shape[-1])
 
 
 def _flat(record: Record, grad_outputs: GradOutputs) -> tuple[Tensor, Tensor]:
     """Input `[N, T, in]` and output gradient `[N, T, out]` (T = 1 for 2-D inputs)."""
-    x, g = record.args[0], grad_outputs[0]
-    n = x.shape[0]
-    return x.reshape(n, -1, x.shape[-1]), g.reshape(n, -1, g.shape[-1])
+    return _rows(record.args[0]), _rows(grad_outputs[0])
 
 
 def _products(a: Tensor, b: Tensor) -> Tensor:
@@ -211,7 +213,7 @@ class LinearRule(ModuleRule):
     def _flat_factor(record: Record, factors) -> Tensor:
         """Factor at the output as `[V, N, T, out]`."""
         f = factors[0]
-        return f.reshape(f.shape[0], f.shape[1], -1, f.shape[-1])
+        return f if f.dim() == 4 else f.reshape(f.shape[0], f.shape[1], -1, f.shape[-1])
 
     def sqrt_factor(self, record, factors, names, subsampling=None):  # noqa: D102
         x = _flat_input(record)
@@ -254,6 +256,10 @@ class LinearRule(ModuleRule):
         x = _flat_input(record)
         f = self._flat_factor(record, factors)
         if x.shape[1] != 1 and "weight" in names:
+            if f.shape[0] == 1:
+                return _one_column_diag(
+                    x, f[0], names, None if coef is None else coef[0], per_sample
+                )
             return super().diag_from_factor(record, factors, names, coef, per_sample)
         result = {}
         if "weight" in names:
@@ -465,7 +471,8 @@ class Conv1DRule(LinearRule):
         return _transposed(super().sqrt_factor_into(record, factors, names, subsampling, swapped))
 
     def diag_from_factor(self, record, factors, names, coef, per_sample):  # noqa: D102
-        if _flat_input(record).shape[1] != 1 and "weight" in names:
+        several = next(f for f in factors if f is not None).shape[0] != 1
+        if _flat_input(record).shape[1] != 1 and "weight" in names and several:
             # squares of this rule's own square root, already in the stored layout
             return ModuleRule.diag_from_factor(self, record, factors, names, coef, per_sample)
         return _transposed(super().diag_from_factor(record, factors, names, coef, per_sample))
@@ -484,6 +491,28 @@ class Conv1DRule(LinearRule):
         t = gbar.shape[0] // out
         g = gbar.reshape(t, out, t, out).diagonal(dim1=0, dim2=2).sum(-1)
         return _kron_result(x, (g + g.T) / 2, names)
+
+
+def _one_column_diag(
+    x: Tensor, f: Tensor, names: Names, coef: Tensor | None, per_sample: bool
+) -> dict[str, Tensor]:
+    """Diagonals from one factor column `f` `[N, T, out]` over positions: Σ_n (Σ_t f xᵀ)².
+
+    Each sample's product is squared in place: no second `[N, out, in]` buffer, and fewer
+    operator calls than squaring the general square root.
+    """
+    result = {}
+    if "weight" in names:
+        squares = _products(f, x).square_()
+        if coef is not None:
+            squares.mul_(coef.reshape(-1, 1, 1))
+        result["weight"] = squares if per_sample else squares.sum(0)
+    if "bias" in names:
+        squares = f.sum(1).square_()
+        if coef is not None:
+            squares.mul_(coef.unsqueeze(-1))
+        result["bias"] = squares if per_sample else squares.sum(0)
+    return result
 
 
 def _transposed(result: dict[str, Tensor] | None) -> dict[str, Tensor] | None:

@@ -110,6 +110,8 @@ class _PerSampleNormRule(ModuleRule):
         """`t` (`[*lead axes, N, *x.shape[1:]]`) as `[*lead, N, P, K]` or `[*lead, N, K, P]`."""
         k = self.entries(record)
         head = t.shape[: lead + 1]
+        if t.dim() == lead + 3 and t.shape[-1 if self.layout == "npk" else lead + 1] == k:
+            return t  # already in that layout (a reshape is an operator call too)
         if self.layout == "npk":
             return t.reshape(*head, -1, k)
         return t.reshape(*head, k, -1)
@@ -151,7 +153,12 @@ class _PerSampleNormRule(ModuleRule):
             # CPU: 5-7x for the "npk" layout, on par for "nkp"); a single-sample g broadcasts
             xhat = self._view(record, self.normalised(record, x), 0)
             result[self.scale_name] = _times(xhat, g3).sum(lead + self._pos)
-        return {n: v.reshape(*v.shape[: lead + 1], *shapes[n]) for n, v in result.items()}
+        return {
+            n: v
+            if v.shape[lead + 1 :] == shapes[n]
+            else v.reshape(*v.shape[: lead + 1], *shapes[n])
+            for n, v in result.items()
+        }
 
     def _cached(self, record: Record, grad_outputs: GradOutputs, names: Names) -> dict:
         """Per-sample gradients of the whole batch, computed once per output gradient."""

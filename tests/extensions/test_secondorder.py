@@ -6,6 +6,7 @@ import pytest
 import torch
 from problems import problems_with
 from second_order_reference import Curvature
+from torch import nn
 
 from backpack import backpack, extend
 from backpack.extensions import (
@@ -262,3 +263,29 @@ def test_site_parameters_without_fallback(problem, monkeypatch):
         if name in own:  # no Kronecker rule: the parameter's dense GGN block
             (block,) = p.kflr
             close(block, ref.block(ref.ggn, name), name)
+
+
+@pytest.mark.parametrize("per_sample", [False, True])
+def test_one_monte_carlo_column_on_tokens_gives_the_squared_roots(per_sample):
+    """A Linear layer over positions with one Monte-Carlo column squares each sample's product
+    in place (`linear._one_column_diag`); the numbers are those of the square root's squares,
+    with and without coefficients per sample."""
+    from backpack.rules.linear import _one_column_diag
+
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double())
+    lossfunc = extend(nn.CrossEntropyLoss())
+    x = torch.randn(4, 7, 5, dtype=torch.float64)
+    y = torch.randint(0, 3, (4, 7))
+    with backpack(DiagGGNMC(mc_samples=1), BatchDiagGGNMC(mc_samples=1), SqrtGGNMC(mc_samples=1)):
+        lossfunc(model(x).transpose(1, 2), y).backward()
+    for name, p in model.named_parameters():
+        squares = p.sqrt_ggn_mc.square().sum(0)
+        close(p.diag_ggn_mc_batch, squares, name)
+        close(p.diag_ggn_mc, squares.sum(0), name)
+    f, xs, coef = torch.randn(3, 7, 6), torch.randn(3, 7, 5), torch.rand(3)
+    got = _one_column_diag(xs, f, ["weight", "bias"], coef, per_sample)
+    weight = coef[:, None, None] * torch.einsum("nto,nti->noi", f, xs).square()
+    bias = coef[:, None] * f.sum(1).square()
+    close(got["weight"], weight if per_sample else weight.sum(0))
+    close(got["bias"], bias if per_sample else bias.sum(0))
