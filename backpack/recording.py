@@ -166,8 +166,19 @@ class Record:
     ) -> None:
         versions = tuple([a._version if isinstance(a, Tensor) else None for a in args])
         self._setup(
-            module, args, kwargs, outputs, output_structure, disabled, versions, (), False, False,
-            None, (), tuple([o._version for o in outputs]),
+            module,
+            args,
+            kwargs,
+            outputs,
+            output_structure,
+            disabled,
+            versions,
+            (),
+            False,
+            False,
+            None,
+            (),
+            tuple([o._version for o in outputs]),
         )
 
     def _setup(
@@ -730,6 +741,20 @@ def _forget_identity_values(record: Record, output: Tensor, alias: Tensor) -> No
         producer.holders += 1  # both run at the same node: the producer's hook first
 
 
+def _is_identity(module: nn.Module, node: Any) -> bool:
+    """Whether a call returning its own input is an identity (no parameters, a known output)."""
+    return not module._parameters and (_META_KEY in node.metadata or type(module) in PASS_THROUGH)
+
+
+def _identity_stand_in(module: nn.Module, output: Tensor, node: Any) -> Tensor | None:
+    """The stand-in an identity call returning `output` will keep (None: it keeps values)."""
+    if not _is_identity(module, node):
+        return None
+    if type(module) not in PASS_THROUGH and _producer(output) is None:
+        return None
+    return _shape_only(output)
+
+
 def _producer(x: Any) -> Record | None:
     """The live record whose output `x` is (None if there is none)."""
     node = getattr(x, "grad_fn", None) if isinstance(x, Tensor) else None
@@ -1048,9 +1073,11 @@ def _record_single(
             versions.append(a._version)
             if a is output:
                 # in place: kept detached (the graph would otherwise own itself); the same
-                # alias serves as the output below
+                # alias serves as the output below. An identity call that will keep a stand-in
+                # (`_forget_identity_values`) takes it now: a detach is an operator call too
                 inplace = True
-                a = detached_output = a.detach()
+                stand_in = _identity_stand_in(module, output, node)
+                a = detached_output = a.detach() if stand_in is None else stand_in
                 edges.append(None)
             elif a.requires_grad:
                 kept_needs_grad = True
@@ -1100,7 +1127,7 @@ def _record_single(
         (structure._version,),
     )
     own = module._parameters
-    identity = inplace and not own and (_META_KEY in node.metadata or cls in PASS_THROUGH)
+    identity = inplace and _is_identity(module, node)
     record.identity = identity
     if identity:
         _forget_identity_values(record, output, detached_output)
@@ -1428,8 +1455,12 @@ def _mark_sequence_first(module: nn.Module) -> None:
             for child in owner.modules():
                 if child is sub or isinstance(child, nn.MultiheadAttention):
                     continue
-                if any(child is m for a in owner.modules() if isinstance(a, nn.MultiheadAttention)
-                       for m in a.modules()):
+                if any(
+                    child is m
+                    for a in owner.modules()
+                    if isinstance(a, nn.MultiheadAttention)
+                    for m in a.modules()
+                ):
                     continue
                 child.__dict__["_backpack_batch_axis"] = 1
 
