@@ -493,7 +493,7 @@ def site_calls(state: BackwardState, found: list[tuple[Record, int, Any]]) -> di
     calls = {}
     for record, _, _ in found:
         sites = None if record.freed else layout.sites_of(record)
-        if sites and all(site.parts for site in sites.values()):
+        if sites and any(site.parts for site in sites.values()):
             calls[id(record)] = sites
     return calls
 
@@ -568,8 +568,10 @@ def _site_roots(
 
     Stored as the call's factor; `record.extra[SITE_PARAMS]` names the parts (`SiteRule`).
     """
-    roots = []
+    roots: dict[str, Tensor] = {}
     for name, site in sites.items():
+        if not site.parts:
+            continue  # unused by this backward (zeros below)
         grads = [next(results) for _ in site.parts]
         root = site.per_sample_of(grads, columns.shape[:1], columns)
         if root is None:
@@ -578,10 +580,15 @@ def _site_roots(
                 "broadcast over them, but its per-sample shares of the curvature factor cannot "
                 "be split there. Compute it inside a submodule, or report the model to backpack."
             )
-        roots.append(root.flatten(2))
-    names = [(name, site.shape) for name, site in sites.items()]
-    record.extra[SITE_PARAMS] = (roots[0].shape[1], names)
-    return torch.cat(roots, dim=2)
+        roots[name] = root.flatten(2)
+    first = next(iter(roots.values()))
+    lead = first.shape[:2]
+    flat = [
+        roots[name] if name in roots else first.new_zeros(*lead, math.prod(site.shape))
+        for name, site in sites.items()
+    ]
+    record.extra[SITE_PARAMS] = (lead[1], [(name, site.shape) for name, site in sites.items()])
+    return torch.cat(flat, dim=2)
 
 
 #: `Record.extra` key: the samples, and (name, shape) of each parameter whose roots the call's

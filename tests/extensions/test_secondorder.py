@@ -289,3 +289,33 @@ def test_one_monte_carlo_column_on_tokens_gives_the_squared_roots(per_sample):
     bias = coef[:, None] * f.sum(1).square()
     close(got["weight"], weight if per_sample else weight.sum(0))
     close(got["bias"], bias if per_sample else bias.sum(0))
+
+
+class TwoOutputs(nn.Module):
+    """A container whose second output (not in the loss) holds one of its own parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.pos = nn.Parameter(torch.randn(1, 4))
+        self.aux = nn.Parameter(torch.randn(1, 4))
+
+    def forward(self, x):
+        h = self.lin(x)
+        return self.head(torch.tanh(h + self.pos)), self.aux.expand(x.shape[0], -1) * x[:, :1]
+
+
+def test_site_parameter_the_loss_does_not_reach_gets_zero_curvature():
+    """The factor columns do not reach `aux`'s site: zeros, while `pos` (a bias after `lin`)
+    gets `lin.bias`'s curvature."""
+    torch.manual_seed(0)
+    model = extend(TwoOutputs().double())
+    lossfunc = extend(nn.CrossEntropyLoss())
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    with backpack(DiagGGNExact(), BatchDiagGGNExact()):
+        out, _ = model(x)
+        lossfunc(out, y).backward()
+    assert model.aux.grad is None
+    close(model.aux.diag_ggn_exact, torch.zeros_like(model.aux))
+    close(model.pos.diag_ggn_exact[0], model.lin.bias.diag_ggn_exact)
+    close(model.pos.diag_ggn_exact_batch[:, 0], model.lin.bias.diag_ggn_exact_batch)
