@@ -434,10 +434,20 @@ def _steady(model: nn.Module) -> None:
         assume_checked(obj)
 
 
+#: parameters a row freezes, by model class name: KFAC refuses ViT-B/16's position embedding
+#: (no Kronecker rule; its dense block would be 151,296² entries), so its row counts the rest
+FROZEN_FOR_ROW: dict[tuple[str, str], tuple[str, ...]] = {
+    ("VisionTransformer", "KFAC"): ("pos_embed",),
+}
+
+
 def make_step(row: str, model: nn.Module, x: Tensor, y: Tensor) -> Callable[[], None]:
     """One training step of `row` on `model` (extended in place unless the row is plain)."""
     from backpack import backpack, extend
     from backpack import extensions as E
+
+    for name in FROZEN_FOR_ROW.get((type(model).__name__, row), ()):
+        model.get_parameter(name).requires_grad_(False)
 
     if row == "plain":
         lossfunc = nn.CrossEntropyLoss()

@@ -65,3 +65,20 @@ def test_report_marks_targets(monkeypatch):
     assert plain_row.split("|")[2].strip().endswith("(1.00x)")
     assert "Targets of the GPU issue" in text and ("✓" in text or "✗" in text)
     assert torch.backends.cuda.matmul.allow_tf32 is False  # the rules restored the setting
+
+
+def test_vit_second_order_rows_are_counted_without_host_reads():
+    """ViT-B/16's class token and position embedding take their curvature at their sites (no
+    re-run of the model, no value read on the meta device); KFAC's row freezes the position
+    embedding, which it refuses."""
+    pytest.importorskip("timm")
+    counts = {row: C.count_row("vit_b_16", row) for row in ("plain", "DiagGGNMC", "KFAC")}
+    for row, c in counts.items():
+        assert isinstance(c, C.Counts), (row, c)
+        assert c.syncs == 0, row
+    assert counts["DiagGGNMC"].calls > counts["plain"].calls
+    torch.manual_seed(0)
+    model, x, y = C.MODELS["vit_b_16"]("tiny")
+    C.make_step("KFAC", model, x.repeat(2, 1, 1, 1), y.repeat(2))()
+    assert not model.pos_embed.requires_grad and not hasattr(model.pos_embed, "kfac")
+    assert len(model.cls_token.kfac) == 1  # its dense block
