@@ -479,8 +479,9 @@ def site_calls(state: BackwardState, found: list[tuple[Record, int, Any]]) -> di
     are broadcast over them (`samples.ParamSite`): backpropagating the factor columns to those
     operations gives each sample's share, where the `torch.func` fallback would re-run the
     whole model per sample (and read values on the host to check it may). For square roots,
-    diagonals and Kronecker (dense) blocks; matrix products, residual terms and sums over
-    samples of another layout (distributed, placed rows) keep the fallback.
+    diagonals and Kronecker (dense) blocks; matrix products, residual terms, modules called more
+    than once and sums over samples of another layout (distributed, placed rows) keep the
+    fallback.
     """
     layout = state.layout
     if not layout.param_sites or state.sync is not None or layout.several_groups:
@@ -493,7 +494,11 @@ def site_calls(state: BackwardState, found: list[tuple[Record, int, Any]]) -> di
     calls = {}
     for record, _, _ in found:
         sites = None if record.freed else layout.sites_of(record)
-        if sites and any(site.parts for site in sites.values()):
+        if not sites or not any(site.parts for site in sites.values()):
+            continue
+        # a site holds every use of its parameter: a module called twice (on the same or other
+        # samples) would get all uses' shares at each call, so its calls take the fallback
+        if all(state.uses(p) <= 1 for p in call_params(record).values()):
             calls[id(record)] = sites
     return calls
 

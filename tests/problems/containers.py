@@ -48,6 +48,17 @@ class ScaledResidual(nn.Module):
         return self.out(x + self.gamma * self.branch(x) + self.bias)
 
 
+class CalledTwice(nn.Module):
+    """A container with its own parameters called twice on the same samples (one loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = TokensWithClassToken()
+
+    def forward(self, x):
+        return self.inner(x) + self.inner(x.flip(1))
+
+
 class OwnMatrix(nn.Module):
     """A parameter used as a matrix by the model itself (no broadcast: torch.func fallback)."""
 
@@ -73,4 +84,10 @@ PROBLEMS = [
     Problem("container-scaled-residual-ce-sum", ScaledResidual, randn(5, 4),
             lambda: nn.CrossEntropyLoss(reduction="sum"), tags={"first", "second"}),
     Problem("container-own-matrix-ce-mean", OwnMatrix, randn(5, 4), tags={"first", "second"}),
+    Problem(
+        "container-called-twice-ce-mean",
+        CalledTwice,
+        randn(4, 5, 3),
+        tags={"first", "second", "reuse"},
+    ),
 ]
