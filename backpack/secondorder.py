@@ -539,16 +539,16 @@ def _store_factors(state: BackwardState, columns: _LossColumns, convolutional: b
                 continue
         else:
             target.extra.pop(SITE_PARAMS, None)  # factors at the outputs (an earlier pass's?)
-        if site is not None and id(target) not in param_sites:
-            spread = [next(broadcast_results) for _ in site.parts]
-            shape = target.outputs[index].shape
-            per_sample = site.per_sample(spread, shape, lead=1)
-            if per_sample is not None:
-                n = per_sample.shape[1]
-                target.extra["broadcast"] = n
-                front = len(shape) > 0 and shape[0] == 1
-                expanded = (n, *shape[1:]) if front else (n, *shape)
-                result = per_sample.reshape(per_sample.shape[0], *expanded)
+            if site is not None:
+                spread = [next(broadcast_results) for _ in site.parts]
+                shape = target.outputs[index].shape
+                per_sample = site.per_sample(spread, shape, lead=1)
+                if per_sample is not None:
+                    n = per_sample.shape[1]
+                    target.extra["broadcast"] = n
+                    front = len(shape) > 0 and shape[0] == 1
+                    expanded = (n, *shape[1:]) if front else (n, *shape)
+                    result = per_sample.reshape(per_sample.shape[0], *expanded)
         # in the module's dtype (a loss may run in another, e.g. on `logits.float()`), float32
         # for 16-bit outputs (mixed precision)
         result = promote_half(result)

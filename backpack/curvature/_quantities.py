@@ -44,15 +44,15 @@ from backpack.extensions.secondorder import HBP
 Callback = Callable[[int, str, Tensor], None]
 
 
-def wide(t: Tensor) -> Tensor:
+def wide(t: Tensor, copy: bool = False) -> Tensor:
     """`t` in float64 where it is a lower-precision float (sums over a data set are kept so).
 
     Summed in float32, a data set's factors depend on the order of the batches (and on how the
     ranks split them) by float32's rounding, which nearly equal eigenvalues amplify about a
     thousandfold into EK-FAC's scores. Summed in float64 and cast back once, they come out the
-    same in any order.
+    same in any order. With `copy`, always a new tensor (a state later batches add into).
     """
-    return t.to(wide_dtype(t))
+    return t.to(wide_dtype(t), copy=copy)
 
 
 def wide_dtype(t: Tensor) -> torch.dtype:
@@ -135,7 +135,7 @@ class Summed(Kind):
         if not self.widen:
             return value
         self.dtype = self.dtype or value.dtype
-        return value.to(wide_dtype(value), copy=True)  # later batches add into it in place
+        return wide(value, copy=True)  # later batches add into it in place
 
     def add(self, state, value, batch, name, grad):  # noqa: D102
         if batch.scale != 1:
@@ -261,7 +261,7 @@ class KronKind(Kind):
     def widened(self, factors: list[Tensor]) -> list[Tensor]:
         """`factors` as the state sums them (remembering their own dtype)."""
         self.dtype = self.dtype or factors[0].dtype
-        return [f.to(wide_dtype(f), copy=True) for f in factors]  # later batches add in place
+        return [wide(f, copy=True) for f in factors]  # later batches add in place
 
     def add(self, state, value, batch, name, grad):  # noqa: D102
         if len(value) not in (1, 2):
