@@ -702,6 +702,65 @@ SCENARIOS = {"main": MAIN, "errors": ERRORS}
 _preload()
 
 
+#: `(replicas, shards)` of HSDP's 2-D mesh while a check runs `under_hsdp` (empty otherwise)
+_HSDP: list[tuple[int, int]] = []
+_MESHES: dict[tuple[int, int], object] = {}
+
+
+def fsdp_kwargs() -> dict:
+    """fully_shard's mesh argument in the checks: HSDP's 2-D mesh `under_hsdp`, else none."""
+    if not _HSDP:
+        return {}
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = _HSDP[0]
+    if shape not in _MESHES:
+        _MESHES[shape] = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    return {"mesh": _MESHES[shape]}
+
+
+def chunk_position(rank: int, world: int) -> tuple[int, int]:
+    """`(index, count)` of the chunk rank `rank` holds of a parameter FSDP2 shards.
+
+    FSDP2's 1-D mesh: chunk `rank` of `world`. HSDP's `(R, S)` mesh (ranks row-major): chunk
+    `rank % S` of S, the same in every replica group.
+    """
+    if not _HSDP:
+        return rank, world
+    shards = _HSDP[0][1]
+    return rank % shards, shards
+
+
+def local_vector(model, full):
+    """This rank's rows of a whole-model vector/matrix `full` `[P, ...]` (FSDP2 chunks along
+    each parameter's sharded dimension)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out, start = [], 0
+    for _, p in model.named_parameters():
+        n = p.numel()
+        piece = full[start : start + n].reshape(*p.shape, *full.shape[1:])
+        dim = next(x.dim for x in p.placements if type(x).__name__ == "Shard")
+        index, count = chunk_position(rank, world)
+        chunks = piece.chunk(count, dim=dim)
+        mine = chunks[index] if index < len(chunks) else piece.narrow(dim, 0, 0)
+        out.append(mine.reshape(-1, *full.shape[1:]))
+        start += n
+    return torch.cat(out)
+
+
+def under_hsdp(check: Callable, replicas: int = 2) -> Callable:
+    """`check` with fully_shard on HSDP's `(replicas, world // replicas)` mesh in the checks."""
+
+    def run(rank: int, world: int) -> None:
+        _HSDP[:] = [(replicas, world // replicas)]
+        try:
+            check(rank, world)
+        finally:
+            _HSDP.clear()
+
+    return run
+
+
 def run_checks(
     rank: int,
     world: int,

@@ -27,6 +27,7 @@ averaged over ranks, into `.grad`).
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -87,18 +88,29 @@ def refuse(what: str, why: str | None = None) -> NotImplementedError:
 
 
 class _Shard:
-    """One trainable parameter of an FSDP2 model: its unsharded twin and how it is chunked."""
+    """One trainable parameter of an FSDP2 model: its unsharded twin and how it is chunked.
 
-    def __init__(self, name: str, param: Tensor, fsdp_param: Any, ranks: list[int], me: int):
+    `chunk_of` maps every rank to the index of the chunk it holds. Under HSDP several ranks
+    (one per replica group) hold the same chunk; `holder` names the lowest of them, whose copy
+    counts when the ranks' local rows are concatenated or their partial sums added.
+    """
+
+    def __init__(
+        self, name: str, param: Tensor, fsdp_param: Any, chunk_of: dict[int, int], me: int
+    ):
         self.name = name
         self.param = param
         self.fsdp_param = fsdp_param
-        (placement,) = param.placements
-        self.dim = placement.dim
+        self.dim = next(p.dim for p in param.placements if type(p).__name__ == "Shard")
         self.shape = tuple(param.shape)
-        self.world = len(ranks)
         #: chunk index of every rank of backpack's group (= world rank)
-        self.chunk_of = {g: i for i, g in enumerate(ranks)}
+        self.chunk_of = chunk_of
+        #: the number of chunks (the size of the mesh dimension the parameter is sharded over)
+        self.chunks = len(set(chunk_of.values()))
+        #: `{chunk index: the lowest rank holding it}`
+        self.holder: dict[int, int] = {}
+        for rank in sorted(chunk_of):
+            self.holder.setdefault(chunk_of[rank], rank)
         self.me = me
         local = tuple(param.to_local().shape)
         if local != self.chunk_shape(self.chunk_of[me]):
@@ -110,13 +122,13 @@ class _Shard:
 
     def chunk_shape(self, index: int) -> tuple[int, ...]:
         size = self.shape[self.dim]
-        step = -(-size // self.world)
+        step = -(-size // self.chunks)
         length = max(0, min(size, (index + 1) * step) - min(size, index * step))
         return self.shape[: self.dim] + (length,) + self.shape[self.dim + 1 :]
 
     def chunk(self, value: Tensor, index: int) -> Tensor:
         """Chunk `index` of a full-size `value` (torch.chunk semantics, empty past the end)."""
-        step = -(-self.shape[self.dim] // self.world)
+        step = -(-self.shape[self.dim] // self.chunks)
         return value.narrow(
             self.dim,
             min(self.shape[self.dim], index * step),
@@ -126,6 +138,50 @@ class _Shard:
     @property
     def unsharded(self) -> Tensor | None:
         return getattr(self.fsdp_param, "_unsharded_param", None)
+
+
+def mesh_chunks(device_mesh: Any, placements: Any) -> dict[int, int]:
+    """`{rank: chunk index}` of a DTensor sharded along one dimension of `device_mesh`."""
+    mesh = device_mesh.mesh
+    axis = [type(x).__name__ for x in placements].index("Shard")
+    return {int(mesh[i]): i[axis] for i in itertools.product(*map(range, mesh.shape))}
+
+
+def copy_holder(device_mesh: Any, placements: Any) -> int:
+    """The lowest rank holding the same chunk as this rank (itself, except under HSDP)."""
+    chunk_of = mesh_chunks(device_mesh, placements)
+    mine = chunk_of[dist.get_rank()]
+    return min(rank for rank, index in chunk_of.items() if index == mine)
+
+
+def chunk_ranks(name: str, p: Tensor, world: int, what: str) -> dict[int, int]:
+    """`{rank: index of the chunk it holds}` of a parameter FSDP2 shards (a DTensor).
+
+    FSDP2 shards along one dimension of its device mesh: a 1-D mesh over every rank, or HSDP's
+    2-D `(replicate, shard)` mesh, whose replica groups each hold every chunk once.
+
+    Raises:
+        NotImplementedError: For other placements (tensor parallelism: two sharded mesh
+            dimensions) or a mesh that does not span every rank once.
+    """
+    placements = getattr(p, "placements", ())
+    kinds = [type(x).__name__ for x in placements]
+    if kinds.count("Shard") != 1 or any(k not in ("Shard", "Replicate") for k in kinds):
+        raise NotImplementedError(
+            f"{what}: parameter {name} ({type(p).__name__}, placements {placements}) is not "
+            "sharded by FSDP2's fully_shard along one dimension of its mesh: apply fully_shard "
+            "to the model (or its root) so that FSDP2 manages every parameter; tensor "
+            "parallelism (a second sharded mesh dimension) is not supported."
+        )
+    mesh = p.device_mesh.mesh
+    chunk_of = mesh_chunks(p.device_mesh, placements)
+    if mesh.numel() != world or sorted(chunk_of) != list(range(world)):
+        raise NotImplementedError(
+            f"{what}: parameter {name} is sharded over ranks "
+            f"{sorted(int(r) for r in mesh.flatten().tolist())}, not over all {world} ranks: "
+            "sub-meshes are not supported."
+        )
+    return chunk_of
 
 
 class _Owned:
@@ -200,8 +256,8 @@ def shards(model: nn.Module, group: Any) -> list[_Shard]:
     """The trainable parameters of an FSDP2 `model` with their sharding.
 
     Raises:
-        NotImplementedError: For a parameter FSDP2 does not manage, a mesh other than a 1-D
-            mesh over every rank of `group` (HSDP, tensor parallelism), or uneven sharding.
+        NotImplementedError: For a parameter FSDP2 does not manage, placements other than
+            FSDP2's (or HSDP's) over every rank of `group`, or uneven sharding.
     """
     fsdp = _fsdp_params(model)
     world = dist.get_world_size(group)
@@ -209,21 +265,13 @@ def shards(model: nn.Module, group: Any) -> list[_Shard]:
     out = []
     for name, p in trainable(model):
         fsdp_param = fsdp.get(id(p))
-        placements = getattr(p, "placements", ())
-        if fsdp_param is None or len(placements) != 1 or type(placements[0]).__name__ != "Shard":
+        if fsdp_param is None:
             raise NotImplementedError(
-                f"accumulate: parameter {name} ({type(p).__name__}, placements "
-                f"{placements}) is not sharded by FSDP2's fully_shard along one dimension of a "
-                "1-D mesh: apply fully_shard to the model (or its root) so that every trainable "
-                "parameter is managed by FSDP2; tensor parallelism and HSDP are not supported."
+                f"accumulate: parameter {name} ({type(p).__name__}) is not managed by FSDP2: "
+                "apply fully_shard to the model (or its root) so that FSDP2 manages every "
+                "trainable parameter."
             )
-        ranks = [int(r) for r in p.device_mesh.mesh.flatten().tolist()]
-        if len(ranks) != world or sorted(ranks) != list(range(world)):
-            raise NotImplementedError(
-                f"accumulate: parameter {name} is sharded over ranks {ranks}, not over all "
-                f"{world} ranks: HSDP and sub-meshes are not supported."
-            )
-        out.append(_Shard(name, p, fsdp_param, ranks, me))
+        out.append(_Shard(name, p, fsdp_param, chunk_ranks(name, p, world, "accumulate"), me))
     if not out:
         raise ValueError("The model has no trainable parameter.")
     return out

@@ -219,15 +219,19 @@ class ShardedBlocks:
         return full
 
     def _assemble(self, names: Sequence[str], received: list[Tensor], k: int) -> dict[str, Tensor]:
-        """Whole `[K, *shape]` parameters from every rank's gathered shards."""
+        """Whole `[K, *shape]` parameters from every rank's gathered shards.
+
+        Under HSDP a chunk arrives from each replica group; the holder's copy is taken.
+        """
         chunks: dict[str, list[tuple[int, Tensor]]] = {n: [] for n in names}
         for g, buf in enumerate(received):
             offset = 0
             for n, size in zip(names, self._sizes(names, k, g)):
                 s = self.shards[n]
                 index = s.chunk_of[g]
-                piece = buf[offset : offset + size].view(k, *s.chunk_shape(index))
-                chunks[n].append((index, piece))
+                if s.holder[index] == g:
+                    piece = buf[offset : offset + size].view(k, *s.chunk_shape(index))
+                    chunks[n].append((index, piece))
                 offset += size
         out = {}
         for n in names:
@@ -239,7 +243,7 @@ class ShardedBlocks:
 
 def _chunk_rows(s: _Shard, value: Tensor, index: int) -> Tensor:
     """Chunk `index` of `[K, *shape]` rows of parameter `s` (along its sharded dimension)."""
-    step = -(-s.shape[s.dim] // s.world)
+    step = -(-s.shape[s.dim] // s.chunks)
     size = s.shape[s.dim]
     start = min(size, index * step)
     return value.narrow(1 + s.dim, start, s.chunk_shape(index)[s.dim])

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from backpack import distributed as _dist
-from backpack.curvature._fsdp import _fsdp_params, _reduce_scatter, _Shard
+from backpack.curvature._fsdp import _fsdp_params, _reduce_scatter, _Shard, chunk_ranks
 
 #: modules whose forward hooks belong to FSDP2 (bypassed while a product runs)
 _FSDP_HOOK_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable")
@@ -98,27 +98,19 @@ class Layout:
         self.by_id: dict[int, _Shard] = {}
         for name, p in model.named_parameters():
             fsdp_param = fsdp.get(id(p))
-            placements = getattr(p, "placements", ())
-            sharded = len(placements) == 1 and type(placements[0]).__name__ == "Shard"
-            if fsdp_param is None or not sharded:
+            if fsdp_param is None:
                 raise NotImplementedError(
-                    f"{what}: parameter {name} ({type(p).__name__}, placements {placements}) is "
-                    "not sharded by FSDP2's fully_shard along one dimension of a 1-D mesh: apply "
-                    "fully_shard to the model (or its root) so that FSDP2 manages every "
-                    "parameter; tensor parallelism and HSDP are not supported."
+                    f"{what}: parameter {name} ({type(p).__name__}) is not managed by FSDP2: "
+                    "apply fully_shard to the model (or its root) so that FSDP2 manages every "
+                    "parameter."
                 )
-            ranks = [int(r) for r in p.device_mesh.mesh.flatten().tolist()]
-            if sorted(ranks) != list(range(world)):
-                raise NotImplementedError(
-                    f"{what}: parameter {name} is sharded over ranks {ranks}, not over all "
-                    f"{world} ranks: HSDP and sub-meshes are not supported."
-                )
+            chunk_of = chunk_ranks(name, p, world, what)
             if getattr(fsdp_param, "offload_to_cpu", False):
                 raise NotImplementedError(
                     f"{what}: parameter {name} is offloaded to the CPU by FSDP2's "
                     "CPUOffloadPolicy, which curvature products do not support."
                 )
-            shard = _Shard(name, p, fsdp_param, ranks, me)
+            shard = _Shard(name, p, fsdp_param, chunk_of, me)
             (self.trainable if p.requires_grad else self.frozen).append(shard)
             self.by_id[id(p)] = shard
         if not self.trainable:
@@ -182,17 +174,20 @@ def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
 
 
 def all_gather_param(shard: _Shard | Columns, local: Tensor, group: Any) -> Tensor:
-    """The full parameter from every rank's local shard (plain tensors, one all-gather)."""
-    world = shard.world
+    """The full parameter from every rank's local shard (plain tensors, one all-gather).
+
+    Under HSDP the replica groups send the same chunks; the holder's copy is taken.
+    """
+    chunks = shard.chunks
     dim = shard.dim
-    step = -(-shard.shape[dim] // world)
+    step = -(-shard.shape[dim] // chunks)
+    if chunks == 1:  # every rank holds the whole parameter
+        return local.clone()
     padded_shape = list(shard.shape)
     padded_shape[dim] = step
     padded = local.new_zeros(padded_shape)
     padded.narrow(dim, 0, local.shape[dim]).copy_(local)
-    if world == 1:
-        return padded.narrow(dim, 0, local.shape[dim]).clone()
-    pieces = [torch.empty_like(padded) for _ in range(world)]
+    pieces = [torch.empty_like(padded) for _ in range(dist.get_world_size(group))]
     try:
         dist.all_gather(pieces, padded, group=group)
     except Exception as err:  # pragma: no cover - a rank died or timed out
@@ -201,8 +196,10 @@ def all_gather_param(shard: _Shard | Columns, local: Tensor, group: Any) -> Tens
             f"not get there within {_dist.TIMEOUT_S:g} s (backpack.distributed.TIMEOUT_S); see "
             "the other ranks' errors."
         ) from err
-    ordered = sorted(range(world), key=lambda g: shard.chunk_of[g])
-    parts = [pieces[g].narrow(dim, 0, shard.chunk_shape(shard.chunk_of[g])[dim]) for g in ordered]
+    parts = [
+        pieces[shard.holder[index]].narrow(dim, 0, shard.chunk_shape(index)[dim])
+        for index in range(chunks)
+    ]
     return torch.cat(parts, dim=dim)
 
 
@@ -215,8 +212,8 @@ class Columns:
 
     def __init__(self, shard: _Shard, count: int) -> None:
         self.shard, self.count = shard, count
-        self.name, self.dim, self.world = shard.name, shard.dim, shard.world
-        self.chunk_of = shard.chunk_of
+        self.name, self.dim, self.chunks = shard.name, shard.dim, shard.chunks
+        self.chunk_of, self.holder = shard.chunk_of, shard.holder
         self.shape = (*shard.shape, count)
 
     def chunk_shape(self, index: int) -> tuple[int, ...]:
@@ -227,7 +224,7 @@ class Columns:
 
     def reduce(self, full: Tensor, group: Any, what: str) -> Tensor:
         """This rank's chunk `[*local shape, K]` of `full` summed over the ranks."""
-        if self.world == 1:
+        if dist.get_world_size(group) == 1:
             return full
         (mine,) = _reduce_scatter(group, [(self, full.contiguous())], what)  # type: ignore[list-item]
         return mine
@@ -252,7 +249,7 @@ class _Scatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, full: Tensor, shard: _Shard, group: Any) -> Tensor:
         ctx.shard, ctx.group = shard, group
-        if shard.world == 1:
+        if dist.get_world_size(group) == 1:
             return full.clone()
         (mine,) = _reduce_scatter(group, [(shard, full.contiguous())], "reduce a product")
         return mine.clone()

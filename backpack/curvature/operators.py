@@ -44,7 +44,7 @@ from backpack.curvature._forward import (
     refuse_unfaithful_gradients,
     refuse_unfixed_forward,
 )
-from backpack.curvature._fsdp import is_fully_sharded, reshard
+from backpack.curvature._fsdp import copy_holder, is_fully_sharded, mesh_chunks, reshard
 from backpack.curvature._fsdp_products import (
     Columns,
     Gathering,
@@ -141,40 +141,60 @@ class CurvatureOperator:
                 pieces.append(block)
                 continue
             mesh, placements, shape, _ = meta
-            (placement,) = placements
-            dim = placement.dim
-            world = mesh.size()
-            me = mesh.get_local_rank()
+            chunk_of = mesh_chunks(mesh, placements)
+            dim = next(p.dim for p in placements if type(p).__name__ == "Shard")
+            world = len(set(chunk_of.values()))
             step = -(-shape[dim] // world)
-            start = min(shape[dim], me * step)
+            start = min(shape[dim], chunk_of[dist.get_rank()] * step)
             part = block.reshape(*shape, -1).narrow(dim, start, local[dim])
             pieces.append(part.reshape(-1, full.shape[1]))
         return torch.cat(pieces)
 
+    def _copy_holder(self) -> int:
+        """The rank whose local rows count for this rank's (itself, except under HSDP).
+
+        Under HSDP every replica group holds the same rows; sums and stacks over the ranks take
+        each row once, from its lowest-ranked holder.
+        """
+        holders = {copy_holder(m[0], m[1]) for m in self._placements if m is not None}
+        if len(holders) > 1:
+            raise NotImplementedError(
+                f"{type(self).__name__}: the parameters of the FSDP2 model are replicated over "
+                "different groups of ranks (several HSDP meshes); shard them over one mesh."
+            )
+        return holders.pop() if holders else dist.get_rank()
+
     def sum_over_ranks(self, t: Tensor) -> Tensor:
         """`t` summed over the ranks (a collective) on a sharded model, else `t` itself.
 
-        For partial sums over this rank's rows (inner products, norms) of sharded vectors.
+        For partial sums over this rank's rows (inner products, norms) of sharded vectors;
+        under HSDP each replica group's rows count once.
         """
         if not self.sharded:
             return t
+        if self._copy_holder() != dist.get_rank():
+            t = torch.zeros_like(t)
         return all_sum_values(header_group(getattr(self, "_group", None)), t)
 
     def stack_over_ranks(self, t: Tensor) -> tuple[Tensor, int]:
         """Every rank's `t` stacked in rank order, and this rank's first row in the stack.
 
         The ranks' `t` may differ in their number of rows (a collective on a sharded model).
+        Under HSDP only the holders' `t` are stacked, and a replica gets its holder's first row.
         """
         if not self.sharded:
             return t, 0
         group = header_group(getattr(self, "_group", None))
         world, me = dist.get_world_size(group), dist.get_rank(group)
+        holder = dist.get_group_rank(group, self._copy_holder())
         counts = t.new_zeros(world, dtype=torch.float64)
-        counts[me] = t.shape[0]
+        if holder == me:
+            counts[me] = t.shape[0]
         counts = [int(c) for c in all_sum_values(group, counts).tolist()]
-        start = sum(counts[:me])
+        start = sum(counts[:holder])
         stacked = t.new_zeros(sum(counts), *t.shape[1:])
-        stacked[start : start + t.shape[0]] = t
+        if holder == me:
+            stacked[start : start + t.shape[0]] = t
         return all_sum_values(group, stacked), start
 
     def _refuse_sharded(self, what: str, instead: str) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from curvature_problems import PROBLEMS
-from distributed_checks import run_checks
+from distributed_checks import chunk_position, fsdp_kwargs, run_checks, under_hsdp
 from torch import nn
 
 from backpack import distributed
@@ -280,7 +280,11 @@ def different_models(rank: int, world: int) -> None:
 
 
 #: batch sizes of each rank's shard for FSDP2: the same number of batches, uneven sizes
-FSDP_SHARDS = {2: [[3, 1], [2, 5]], 3: [[2, 1], [4, 1], [1, 2]]}
+FSDP_SHARDS = {
+    2: [[3, 1], [2, 5]],
+    3: [[2, 1], [4, 1], [1, 2]],
+    4: [[2, 1], [1, 3], [1, 1], [1, 1]],
+}
 
 
 def fsdp_extensions() -> list:
@@ -305,8 +309,8 @@ def fsdp_model(problem, nested: bool, param_dtype=None):
     if nested:
         for child in model.children():
             if any(True for _ in child.parameters()):
-                fully_shard(child, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+                fully_shard(child, mp_policy=policy, **fsdp_kwargs())
+    fully_shard(model, mp_policy=policy, **fsdp_kwargs())
     return model
 
 
@@ -322,8 +326,9 @@ def fsdp_shards(name: str, rank: int, world: int):
 
 def own_chunk(full, rank: int, world: int):
     """This rank's dim-0 chunk of `full`, as FSDP2 shards it (empty past the last chunk)."""
-    chunks = full.chunk(world, dim=0)
-    return chunks[rank] if rank < len(chunks) else full[:0]
+    index, count = chunk_position(rank, world)
+    chunks = full.chunk(count, dim=0)
+    return chunks[index] if index < len(chunks) else full[:0]
 
 
 def fully_sharded_case(name: str, reduction: str, nested: bool):
@@ -531,7 +536,12 @@ MAIN: list[tuple[str, Callable]] = [
     ("fsdp-last-dim", sharded_last_dim),
     ("fully-sharded", fully_sharded),
 ]
-SCENARIOS = {"main": MAIN}
+HSDP: list[tuple[str, Callable]] = [
+    ("hsdp-mlp_ce-mean-nested", under_hsdp(fully_sharded_case("mlp_ce", "mean", nested=True))),
+    ("hsdp-token_ce-sum", under_hsdp(fully_sharded_case("token_ce", "sum", nested=False))),
+    ("hsdp-replicas-only", under_hsdp(fully_sharded_case("mlp_mse", "mean", nested=True), 4)),
+]
+SCENARIOS = {"main": MAIN, "hsdp": HSDP}
 
 
 def worker(rank: int, world: int, port: int, scenario: str, outdir: str) -> None:

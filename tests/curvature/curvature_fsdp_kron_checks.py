@@ -20,7 +20,7 @@ from curvature_distributed_checks import (
     last_dim_problem,
     own_chunk,
 )
-from distributed_checks import run_checks
+from distributed_checks import local_vector, run_checks, under_hsdp
 
 from backpack import distributed
 from backpack.curvature import (
@@ -34,22 +34,6 @@ from backpack.curvature import (
 )
 from backpack.extensions import KFAC as KFACExtension
 from backpack.extensions import KFLR, DiagGGNExact
-
-
-def local_vector(model, full):
-    """This rank's rows of a whole-model vector/matrix `full` `[P, ...]` (FSDP2 chunks along
-    each parameter's sharded dimension)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    out, start = [], 0
-    for _, p in model.named_parameters():
-        n = p.numel()
-        piece = full[start : start + n].reshape(*p.shape, *full.shape[1:])
-        dim = p.placements[0].dim
-        chunks = piece.chunk(world, dim=dim)
-        mine = chunks[rank] if rank < len(chunks) else piece.narrow(dim, 0, 0)
-        out.append(mine.reshape(-1, *full.shape[1:]))
-        start += n
-    return torch.cat(out)
 
 
 def accumulate_kron_case(name: str, reduction: str, nested: bool):
@@ -446,7 +430,15 @@ EKFAC_CASES: list[tuple[str, Callable]] = [
     ("ekfac-tokens", ekfac_tokens),
     ("ekfac-rows", ekfac_rows),
 ]
-SCENARIOS = {"main": MAIN, "ekfac": EKFAC_CASES}
+HSDP: list[tuple[str, Callable]] = [
+    ("hsdp-kron-mlp_ce", under_hsdp(accumulate_kron_case("mlp_ce", "mean", nested=True))),
+    ("hsdp-kfac-cnn_ce", under_hsdp(kfac_operator_case("cnn_ce", "mean", nested=False))),
+    ("hsdp-kfac-token_ce", under_hsdp(kfac_operator_case("token_ce", "sum", nested=True))),
+    ("hsdp-ekfac-mlp_ce", under_hsdp(ekfac_operator_case("mlp_ce", "mean", nested=True))),
+    ("hsdp-ekfac-cnn_ce", under_hsdp(ekfac_operator_case("cnn_ce", "mean", nested=True))),
+    ("hsdp-kfac-replicas-only", under_hsdp(kfac_operator_case("mlp_mse", "sum", False), 4)),
+]
+SCENARIOS = {"main": MAIN, "ekfac": EKFAC_CASES, "hsdp": HSDP}
 
 
 def worker(rank: int, world: int, port: int, scenario: str, outdir: str) -> None:

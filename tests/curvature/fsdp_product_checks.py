@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from curvature_problems import PROBLEMS
-from distributed_checks import run_checks
+from distributed_checks import fsdp_kwargs, local_vector, run_checks, under_hsdp
 from torch import nn
 
 from backpack import distributed
@@ -28,7 +28,11 @@ from backpack.curvature.estimators import (
 from backpack.curvature.spectral import lanczos_quadrature
 
 #: batch sizes of each rank's shard: the same number of batches, uneven sizes
-SHARDS = {2: [[3, 1], [2, 5]], 3: [[2, 1], [4, 1], [1, 2]]}
+SHARDS = {
+    2: [[3, 1], [2, 5]],
+    3: [[2, 1], [4, 1], [1, 2]],
+    4: [[2, 1], [1, 3], [1, 1], [1, 1]],
+}
 OPERATORS = {"ggn": GGN, "hessian": Hessian, "ef": EmpiricalFisher}
 
 
@@ -49,7 +53,7 @@ def sharded_model(problem, nested: bool | str, param_dtype=None) -> nn.Module:
     from torch.distributed.tensor import Shard
 
     model = problem.model()
-    options = {"mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype)}
+    options = {"mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype), **fsdp_kwargs()}
     if nested == "last":  # FSDP2 shards other dimensions than 0 only evenly
         world = dist.get_world_size()
         options["shard_placement_fn"] = lambda p: Shard(
@@ -113,6 +117,7 @@ def products_case(kind: str, name: str, reduction: str, nested) -> Callable:
         dense = ref.to_dense()
         V = random_matrix(ref.shape[0], 3)
         local = op.local_rows(V)
+        assert torch.equal(local, local_vector(op.model, V)), "local_rows"
         assert op.shape == (local.shape[0], local.shape[0])
         # the user's FSDP step: .grad set by FSDP, a forward without backward left behind
         params = list(op.model.parameters())
@@ -322,7 +327,18 @@ MAIN.append(("ignored_batch", ignored_batch_case))
 MAIN.append(("refusals", refusals_case))
 MAIN.append(("errors", errors_case))
 
-SCENARIOS = {"main": MAIN}
+#: on HSDP's (2, 2) mesh of 4 ranks, and its (4, 1) mesh (every rank holds every chunk)
+HSDP = [
+    ("hsdp_products_ggn_mlp_ce", under_hsdp(products_case("ggn", "mlp_ce", "mean", True))),
+    ("hsdp_products_hessian_cnn_ce", under_hsdp(products_case("hessian", "cnn_ce", "sum", True))),
+    ("hsdp_products_ef_token_ce", under_hsdp(products_case("ef", "token_ce", "mean", False))),
+    ("hsdp_spectral_ggn_mlp_ce", under_hsdp(spectral_case("ggn", "mlp_ce", "mean", True))),
+    ("hsdp_spectral_hessian_cnn_ce", under_hsdp(spectral_case("hessian", "cnn_ce", "mean", False))),
+    ("hsdp_replicas_only", under_hsdp(products_case("ggn", "mlp_ce", "mean", True), replicas=4)),
+    ("hsdp_spectral_replicas_only", under_hsdp(spectral_case("ef", "mlp_mse", "sum", True), 4)),
+]
+
+SCENARIOS = {"main": MAIN, "hsdp": HSDP}
 
 
 def worker(rank: int, world: int, port: int, scenario: str, outdir: str) -> None:

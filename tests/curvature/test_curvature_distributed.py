@@ -34,6 +34,13 @@ def test_distributed_sweeps(world, tmp_path):
     assert_passed(spawn(world, tmp_path))
 
 
+def test_hsdp_sweeps(tmp_path):
+    """accumulate on HSDP's 2-D meshes of 4 ranks: each rank's chunk equals one process's."""
+    names = [name for name, _ in curvature_distributed_checks.SCENARIOS["hsdp"]]
+    worker = curvature_distributed_checks.worker
+    assert_passed(spawn_workers(worker, ("hsdp",), names, 4, tmp_path, 600.0))
+
+
 def test_without_torch_distributed():
     """Not initialised: None sweeps locally, True says what is missing, others are refused."""
     problem = PROBLEMS["mlp_ce"]

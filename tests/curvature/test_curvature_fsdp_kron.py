@@ -42,3 +42,10 @@ def test_assign_owners_balances_bytes():
     assert max(load) - min(load) <= max(sizes.values())
     assert assign_owners(sizes, 1) == dict.fromkeys(sizes, 0)
     assert set(assign_owners({"x": 1}, 4).values()) == {0}
+
+
+def test_hsdp_kronecker(tmp_path):
+    """Kronecker factors, KFAC and EKFAC on HSDP's 2-D meshes of 4 ranks: one process's."""
+    names = [name for name, _ in curvature_fsdp_kron_checks.SCENARIOS["hsdp"]]
+    worker = curvature_fsdp_kron_checks.worker
+    assert_passed(spawn_workers(worker, ("hsdp",), names, 4, tmp_path, 600.0))

@@ -23,3 +23,11 @@ def test_fsdp_products(world, tmp_path):
     names = [name for name, _ in fsdp_product_checks.SCENARIOS["main"]]
     worker = fsdp_product_checks.worker
     assert_passed(spawn_workers(worker, ("main",), names, world, tmp_path, 400.0))
+
+
+def test_hsdp_products(tmp_path):
+    """On HSDP's 2-D meshes of 4 ranks ((2, 2) and (4, 1)): every replica group holds the same
+    rows, and products, estimators and TSQR count each row once: one process's numbers."""
+    names = [name for name, _ in fsdp_product_checks.SCENARIOS["hsdp"]]
+    worker = fsdp_product_checks.worker
+    assert_passed(spawn_workers(worker, ("hsdp",), names, 4, tmp_path, 600.0))

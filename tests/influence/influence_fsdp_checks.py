@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from distributed_checks import run_checks
+from distributed_checks import fsdp_kwargs, run_checks, under_hsdp
 from influence_distributed_checks import shard as distributed_shard
 from influence_problems import PROBLEMS, TinyGPT
 
@@ -24,7 +24,7 @@ from backpack import distributed
 from backpack.influence import Influence, fit, tracin
 
 #: batch sizes of each rank's shard (11 training examples in all, the same number of batches)
-SHARDS = {2: [[3, 4], [2, 2]], 3: [[2, 1], [4, 1], [2, 1]]}
+SHARDS = {2: [[3, 4], [2, 2]], 3: [[2, 1], [4, 1], [2, 1]], 4: [[2, 1], [3, 1], [1, 1], [1, 1]]}
 CASES = [
     ("mlp", "identity", "empirical", True),
     ("mlp", "diagonal", "type-2", True),
@@ -54,8 +54,8 @@ def sharded(problem, nested: bool):
     if nested:
         for child in model.children():
             if any(True for _ in child.parameters()):
-                fully_shard(child)
-    fully_shard(model)
+                fully_shard(child, **fsdp_kwargs())
+    fully_shard(model, **fsdp_kwargs())
     return model
 
 
@@ -281,6 +281,10 @@ SCENARIOS = {
         ("persistence", persistence),
         ("tied", tied),
         ("mixed-precision", mixed_precision),
+    ],
+    "hsdp": [
+        (f"hsdp-{'-'.join(map(str, case))}", under_hsdp(partial(check, *case)))
+        for case in (CASES[1], CASES[3], CASES[7], CASES[10])
     ],
 }
 

@@ -22,3 +22,10 @@ def test_influence_on_fsdp2(scenario, world, tmp_path):
     names = [name for name, _ in influence_fsdp_checks.SCENARIOS[scenario]]
     worker = influence_fsdp_checks.worker
     assert_passed(spawn_workers(worker, (scenario,), names, world, tmp_path, 600.0))
+
+
+def test_influence_on_hsdp(tmp_path):
+    """Fits and scores on HSDP's (2, 2) mesh of 4 ranks equal one process's."""
+    names = [name for name, _ in influence_fsdp_checks.SCENARIOS["hsdp"]]
+    worker = influence_fsdp_checks.worker
+    assert_passed(spawn_workers(worker, ("hsdp",), names, 4, tmp_path, 600.0))
