@@ -154,6 +154,47 @@ def copy_holder(device_mesh: Any, placements: Any) -> int:
     return min(rank for rank, index in chunk_of.items() if index == mine)
 
 
+def replica_digest(V: Tensor | None) -> list[float]:
+    """`[Σ v², Σ w v, |w|, tolerance]` of a vector: tells apart the rows replicas pass.
+
+    `w` is a fixed pattern of weights, so two different vectors differ in `Σ w v` by about
+    `|w| |v|`, while rounding (a product computed in another order) moves it far less.
+    """
+    if V is None:
+        return [math.nan] * 4
+    v = V.detach().reshape(-1).to(torch.float64)
+    w = torch.arange(v.numel(), dtype=torch.float64, device=v.device).mul_(0.6180339887).frac_()
+    w -= 0.5
+    tolerance = min(0.1, 256 * torch.finfo(V.dtype).eps)
+    return [float(v.square().sum()), float(w @ v), float(w.norm()), tolerance]
+
+
+def check_replicas(table: Tensor, what: str) -> None:
+    """Raise on every rank unless each rank's vector equals its chunk holder's (HSDP).
+
+    `table` has a row per rank of backpack's group: `[*replica_digest(V), holder's rank]`.
+    Ranks holding the same chunks hold the same rows of a vector; another vector on a
+    replica would silently get the product of the holder's. Rows equal up to rounding pass.
+    """
+    bad = []
+    for rank, row in enumerate(table.tolist()):
+        square, weighted, size, tol = row[:4]
+        other = table[int(row[4])].tolist()
+        scale = tol * (square + other[0]) ** 0.5 * size
+        same = (
+            abs(square - other[0]) <= tol * max(square, other[0])
+            and abs(weighted - other[1]) <= scale
+        )
+        if not same and not all(math.isnan(x) for x in row[:2]):
+            bad.append((rank, int(row[4])))
+    if bad:
+        raise ValueError(
+            f"{what} on an HSDP model: rank(s) {[r for r, _ in bad]} pass other local rows than "
+            f"rank(s) {[h for _, h in bad]}, which hold the same chunks. Every replica group must "
+            "pass the same rows of a vector (op.local_rows(full) gives each rank its rows)."
+        )
+
+
 def chunk_ranks(name: str, p: Tensor, world: int, what: str) -> dict[int, int]:
     """`{rank: index of the chunk it holds}` of a parameter FSDP2 shards (a DTensor).
 
@@ -373,6 +414,9 @@ def _reduce_scatter(
                 offset += size
             del flat
     for (device, dtype), indices in buckets.items():
+        if any(len(set(items[i][0].chunk_of.values())) < world for i in indices):
+            _all_reduce_chunks(group, items, indices, dtype, out, me, what, consume)
+            continue
         sizes = [
             [
                 int(torch.Size(items[i][0].chunk_shape(items[i][0].chunk_of[g])).numel())
@@ -410,6 +454,45 @@ def _reduce_scatter(
             out[i] = mine[offset : offset + size].view(shape)
             offset += size
     return out  # type: ignore[return-value]
+
+
+def _all_reduce_chunks(
+    group: Any,
+    items: list,
+    indices: list[int],
+    dtype: torch.dtype,
+    out: list,
+    me: int,
+    what: str,
+    consume: bool,
+) -> None:
+    """`_reduce_scatter`'s bucket when ranks share chunks (HSDP): one all-reduce, own chunks kept.
+
+    A reduce-scatter would send each shared chunk once per holder (R times the data), and
+    its holders could receive sums added in different orders; an all-reduce gives every
+    rank the same bits, so replica groups stay identical.
+    """
+    sizes = [int(torch.Size(items[i][0].shape).numel()) for i in indices]
+    flat = torch.empty(sum(sizes), dtype=dtype, device=items[indices[0]][1].device)
+    offset = 0
+    for i, size in zip(indices, sizes):
+        flat[offset : offset + size].copy_(items[i][1].reshape(-1))
+        offset += size
+        if consume:
+            items[i] = (items[i][0], None)
+    try:
+        dist.all_reduce(flat, group=group)
+    except Exception as err:  # pragma: no cover - a rank died or timed out
+        raise RuntimeError(
+            f"The FSDP2 sweep could not {what}: a rank did not get there within "
+            f"{_dist.TIMEOUT_S:g} s (backpack.distributed.TIMEOUT_S)."
+        ) from err
+    offset = 0
+    for i, size in zip(indices, sizes):
+        shard = items[i][0]
+        whole = flat[offset : offset + size].view(shard.shape)
+        out[i] = shard.chunk(whole, shard.chunk_of[me]).clone()  # not a view of the buffer
+        offset += size
 
 
 def count_total(sweep: Any) -> float:

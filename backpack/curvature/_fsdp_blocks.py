@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from backpack import distributed as _dist
 from backpack.curvature._blocks import BlockLayout
-from backpack.curvature._fsdp import _Shard, shards
+from backpack.curvature._fsdp import _Shard, check_replicas, replica_digest, shards
 
 
 class ShardedBlocks:
@@ -50,6 +50,12 @@ class ShardedBlocks:
         self.names = list(self.shards)
         self.blocks = list(blocks)
         self.owner = {b.name: owners[b.name] for b in self.blocks}
+
+    @property
+    def copy_holder(self) -> int:
+        """The lowest rank holding the same chunks as this one (itself, except under HSDP)."""
+        same = lambda r: all(s.chunk_of[r] == s.chunk_of[self.me] for s in self.shards.values())  # noqa: E731
+        return min(r for r in range(self.world) if same(r))
 
     @property
     def local_shapes(self) -> list[tuple[int, ...]]:
@@ -280,7 +286,7 @@ def sharded_matmul(
         TypeError, ValueError: On every rank, when one rank's `v` is not a tensor of the right
             shape or the ranks multiply different numbers of columns.
     """
-    error, k = None, 0
+    error, k, V = None, 0, None
     size = sum(routing.local_numels)
     try:
         if not isinstance(v, Tensor):
@@ -299,12 +305,14 @@ def sharded_matmul(
         pieces = {n: b.T.reshape(k, *s) for n, b, s in zip(routing.names, parts, shapes)}
     except Exception as err:  # noqa: BLE001 - agreed with the other ranks first
         error = err
-    table = routing.agree(error, [k], "check the vectors")
+    holder = routing.copy_holder
+    table = routing.agree(error, [k, holder, *replica_digest(V)], "check the vectors")
     if len(set(table[:, 0].tolist())) > 1:
         raise ValueError(
             f"{routing.what} @ V on an FSDP2 model is a collective: every rank must multiply "
             f"the same number of columns, got {[int(x) for x in table[:, 0].tolist()]}."
         )
+    check_replicas(table[:, [2, 3, 4, 5, 1]], f"{routing.what} @ V")
     rows = routing.apply(pieces, k, fn, V, "multiply")
     out = torch.cat([rows[n].reshape(k, -1) for n in routing.names], dim=1).T
     return out.reshape(v.shape)

@@ -44,7 +44,14 @@ from backpack.curvature._forward import (
     refuse_unfaithful_gradients,
     refuse_unfixed_forward,
 )
-from backpack.curvature._fsdp import copy_holder, is_fully_sharded, mesh_chunks, reshard
+from backpack.curvature._fsdp import (
+    check_replicas,
+    copy_holder,
+    is_fully_sharded,
+    mesh_chunks,
+    replica_digest,
+    reshard,
+)
 from backpack.curvature._fsdp_products import (
     Columns,
     Gathering,
@@ -164,6 +171,16 @@ class CurvatureOperator:
             )
         return holders.pop() if holders else dist.get_rank()
 
+    def _check_replicas(self, V: Tensor) -> None:
+        """Under HSDP, raise on every rank unless the replica groups pass the same rows."""
+        if all(m is None or m[0].mesh.dim() == 1 for m in self._placements):
+            return  # no replica groups: nothing to compare (and no collective)
+        group = header_group(getattr(self, "_group", None))
+        holder = dist.get_group_rank(group, self._copy_holder())
+        what = f"{type(self).__name__} @ V"
+        table = agree(group, [*replica_digest(V), float(holder)], None, what)
+        check_replicas(table, what)
+
     def sum_over_ranks(self, t: Tensor) -> Tensor:
         """`t` summed over the ranks (a collective) on a sharded model, else `t` itself.
 
@@ -232,6 +249,8 @@ class CurvatureOperator:
                 f"{self.shape[0]}{local}, got shape {tuple(v.shape)}."
             )
         V = v.reshape(self.shape[0], -1).to(device=self.device, dtype=self.dtype)
+        if self.sharded:
+            self._check_replicas(V)
         return self._matmat(V).reshape(v.shape)
 
     def _matmul_dtensors(self, vs: list[Any]) -> list[Any]:

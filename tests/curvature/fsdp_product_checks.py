@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from curvature_problems import PROBLEMS
-from distributed_checks import fsdp_kwargs, local_vector, run_checks, under_hsdp
+from distributed_checks import chunk_position, fsdp_kwargs, local_vector, run_checks, under_hsdp
 from torch import nn
 
 from backpack import distributed
@@ -227,6 +227,29 @@ def refusals_case(rank: int, world: int) -> None:
     raises(ValueError, "forward_seed", lambda: Hessian(dropout, lossfunc, mine))
 
 
+def replica_rows_case(rank: int, world: int) -> None:
+    """Under HSDP a replica passing other rows than the rank holding its chunks raises on every
+    rank (it would silently get the product of the holder's rows); the same rows work."""
+    from backpack.curvature import EKFAC, KFAC
+
+    op, ref = pair("ggn", "mlp_ce", "mean", True, rank, world)
+    V = random_matrix(op.global_size, 2)
+    local = op.local_rows(V)
+    other = local + float(rank == world - 1)
+    kfac = KFAC(op.model, op.lossfunc, op.data)
+    ekfac = EKFAC(op.model, op.lossfunc, op.data)
+    for operator in (op, op.inverse(0.1), kfac, kfac.inverse(0.1), ekfac, ekfac.inverse(0.1)):
+        raises(ValueError, "the same rows", lambda operator=operator: operator @ other)
+    out = op @ local
+    close(out, op.local_rows(ref.to_dense() @ V), "product after the refusal")
+    # replica groups get the same bits (one all-reduce), so they stay identical
+    outs = [None] * world
+    dist.all_gather_object(outs, (chunk_position(rank, world)[0], out, kfac @ local))
+    for index, product, kron in outs:
+        if index == chunk_position(rank, world)[0]:
+            assert torch.equal(product, out) and torch.equal(kron, outs[rank][2]), "replicas"
+
+
 def mixed_precision_case(name: str) -> Callable:
     """Under a MixedPrecisionPolicy: products of the model FSDP2 runs (in its param_dtype).
 
@@ -333,7 +356,7 @@ HSDP = [
     ("hsdp_products_hessian_cnn_ce", under_hsdp(products_case("hessian", "cnn_ce", "sum", True))),
     ("hsdp_products_ef_token_ce", under_hsdp(products_case("ef", "token_ce", "mean", False))),
     ("hsdp_spectral_ggn_mlp_ce", under_hsdp(spectral_case("ggn", "mlp_ce", "mean", True))),
-    ("hsdp_spectral_hessian_cnn_ce", under_hsdp(spectral_case("hessian", "cnn_ce", "mean", False))),
+    ("hsdp_replica_rows", under_hsdp(replica_rows_case)),
     ("hsdp_replicas_only", under_hsdp(products_case("ggn", "mlp_ce", "mean", True), replicas=4)),
     ("hsdp_spectral_replicas_only", under_hsdp(spectral_case("ef", "mlp_mse", "sum", True), 4)),
 ]
