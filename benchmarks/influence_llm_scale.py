@@ -97,9 +97,15 @@ def _run(rank: int, kind: str, world: int, port: int, cfg: dict[str, Any], out: 
         if world > 1:
             from torch.distributed.fsdp import fully_shard
 
+            options = {}
+            if cfg.get("hsdp"):  # HSDP: `hsdp` replica groups, each sharding the model
+                from torch.distributed.device_mesh import init_device_mesh
+
+                shape = (cfg["hsdp"], world // cfg["hsdp"])
+                options["mesh"] = init_device_mesh("cpu", shape, mesh_dim_names=("rep", "shard"))
             for block in model.blocks:
-                fully_shard(block)
-            fully_shard(model)
+                fully_shard(block, **options)
+            fully_shard(model, **options)
             share = -(-len(Xt) // world)
             Xt, yt = Xt[rank * share : (rank + 1) * share], yt[rank * share : (rank + 1) * share]
         train, query = batches(Xt, yt, cfg["batch"]), batches(Xq, yq, cfg["batch"])
@@ -249,6 +255,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument(
+        "--hsdp",
+        type=int,
+        default=0,
+        help="shard on HSDP's 2-D mesh of this many replica groups (--ranks in all)",
+    )
+    parser.add_argument(
         "--query-ranks",
         type=int,
         nargs="*",
@@ -268,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
     cfg["threads"] = args.threads
+    cfg["hsdp"] = args.hsdp
     cfg["ranks_for_error"] = args.query_ranks
     peers = importlib.util.find_spec("kronfluence") is not None and not args.without_kronfluence
     model, tracked, *_ = problem(cfg)
@@ -301,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.ranks > 1:
         sharded = measure("backpack", args.ranks, cfg)
         label = f"backpack, FSDP2 on {args.ranks} gloo processes"
+        if args.hsdp:
+            mesh = f"{args.hsdp} × {args.ranks // args.hsdp}"
+            label = f"backpack, HSDP ({mesh} mesh) on {args.ranks} gloo processes"
         lines.append(_row(label, sharded, ours, "1 process"))
     if theirs is not None and "seconds" in ours and "seconds" in theirs:
         lines += [

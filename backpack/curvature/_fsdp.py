@@ -155,18 +155,25 @@ def copy_holder(device_mesh: Any, placements: Any) -> int:
 
 
 def replica_digest(V: Tensor | None) -> list[float]:
-    """`[Σ v², Σ w v, |w|, tolerance]` of a vector: tells apart the rows replicas pass.
+    """`[Σ v², Σ w v, √Σ w² v², tolerance]` of a vector: tells apart the rows replicas pass.
 
-    `w` is a fixed pattern of weights, so two different vectors differ in `Σ w v` by about
-    `|w| |v|`, while rounding (a product computed in another order) moves it far less.
+    `w` is a fixed zero-mean pattern of weights. Rows that differ by rounding (`δ_i` of about
+    `ε |v_i|`) move `Σ w v` by about `ε √Σ w² v²`; rows that differ otherwise move it by `w_i δ_i`
+    summed over the entries that differ.
     """
     if V is None:
         return [math.nan] * 4
-    v = V.detach().reshape(-1).to(torch.float64)
-    w = torch.arange(v.numel(), dtype=torch.float64, device=v.device).mul_(0.6180339887).frac_()
-    w -= 0.5
-    tolerance = min(0.1, 256 * torch.finfo(V.dtype).eps)
-    return [float(v.square().sum()), float(w @ v), float(w.norm()), tolerance]
+    flat = V.detach().reshape(-1)
+    sums = torch.zeros(3, dtype=torch.float64, device=flat.device)
+    step = 1 << 20  # in pieces: a float64 copy of a whole shard could be large
+    for start in range(0, flat.numel(), step):
+        v = flat[start : start + step].to(torch.float64)
+        w = torch.arange(start, start + v.numel(), dtype=torch.float64, device=v.device)
+        w = w.mul_(0.6180339887).frac_().sub_(0.5)
+        sums += torch.stack([v.square().sum(), w @ v, (w * v).square().sum()])
+    square, weighted, spread = sums.tolist()
+    tolerance = min(0.1, 64 * torch.finfo(V.dtype).eps)
+    return [square, weighted, spread**0.5, tolerance]
 
 
 def check_replicas(table: Tensor, what: str) -> None:
@@ -178,13 +185,11 @@ def check_replicas(table: Tensor, what: str) -> None:
     """
     bad = []
     for rank, row in enumerate(table.tolist()):
-        square, weighted, size, tol = row[:4]
         other = table[int(row[4])].tolist()
-        scale = tol * (square + other[0]) ** 0.5 * size
-        same = (
-            abs(square - other[0]) <= tol * max(square, other[0])
-            and abs(weighted - other[1]) <= scale
-        )
+        tol = row[3]
+        same = abs(row[0] - other[0]) <= tol * max(row[0], other[0]) and abs(
+            row[1] - other[1]
+        ) <= tol * max(row[2], other[2])
         if not same and not all(math.isnan(x) for x in row[:2]):
             bad.append((rank, int(row[4])))
     if bad:

@@ -357,8 +357,8 @@ HSDP = [
     ("hsdp_products_ef_token_ce", under_hsdp(products_case("ef", "token_ce", "mean", False))),
     ("hsdp_spectral_ggn_mlp_ce", under_hsdp(spectral_case("ggn", "mlp_ce", "mean", True))),
     ("hsdp_replica_rows", under_hsdp(replica_rows_case)),
+    ("hsdp_mixed_precision_token_ce", under_hsdp(mixed_precision_case("token_ce"))),
     ("hsdp_replicas_only", under_hsdp(products_case("ggn", "mlp_ce", "mean", True), replicas=4)),
-    ("hsdp_spectral_replicas_only", under_hsdp(spectral_case("ef", "mlp_mse", "sum", True), 4)),
 ]
 
 SCENARIOS = {"main": MAIN, "hsdp": HSDP}

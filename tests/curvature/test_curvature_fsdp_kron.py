@@ -7,9 +7,10 @@ import multiprocessing
 
 import curvature_fsdp_kron_checks
 import pytest
+import torch
 from test_distributed import assert_passed, spawn_workers
 
-from backpack.curvature._fsdp import assign_owners
+from backpack.curvature._fsdp import assign_owners, check_replicas, replica_digest
 
 pytestmark = pytest.mark.cpu_only
 
@@ -49,3 +50,33 @@ def test_hsdp_kronecker(tmp_path):
     names = [name for name, _ in curvature_fsdp_kron_checks.SCENARIOS["hsdp"]]
     worker = curvature_fsdp_kron_checks.worker
     assert_passed(spawn_workers(worker, ("hsdp",), names, 4, tmp_path, 600.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_replica_digests_tell_rounding_from_other_rows(dtype):
+    """HSDP's replica check: a replica's rows equal to its holder's up to rounding pass; other
+    rows (another draw, one entry changed, a shift) raise naming both ranks. The digest is
+    taken in pieces (3M entries: several of them) and matches one float64 pass."""
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(3_000_001, generator=g, dtype=torch.float64).to(dtype)
+    digest = replica_digest(v)
+    w = torch.arange(v.numel(), dtype=torch.float64).mul_(0.6180339887).frac_().sub_(0.5)
+    wide = v.double()
+    expected = [float(wide.square().sum()), float(w @ wide), float((w * wide).norm())]
+    assert torch.allclose(torch.tensor(digest[:3]), torch.tensor(expected), rtol=1e-10)
+    # every entry one unit in the last place off, in random directions
+    sign = torch.randint(0, 2, v.shape, generator=g).double().mul_(2).sub_(1)
+    rounded = (v.double() * (1 + sign * torch.finfo(dtype).eps)).to(dtype)
+    assert not torch.equal(rounded, v)
+    one_changed = v.clone()
+    one_changed[17] += 1.0
+    others = [torch.randn(v.shape, generator=g, dtype=dtype), one_changed, v + 1e-2]
+
+    def table(*rows):
+        return torch.tensor([[*replica_digest(r), 0.0] for r in rows], dtype=torch.float64)
+
+    scaled = (v.double() * (1 + torch.finfo(dtype).eps)).to(dtype)  # all in one direction
+    check_replicas(table(v, rounded, scaled), "op @ V")
+    for other in others:
+        with pytest.raises(ValueError, match=r"rank\(s\) \[2\] pass other local rows"):
+            check_replicas(table(v, rounded, other), "op @ V")
