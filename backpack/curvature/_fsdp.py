@@ -395,21 +395,8 @@ def _reduce_scatter(
     out: list[Tensor | None] = [None] * len(items)
     for (owner, device, dtype), indices in owned.items():
         for group_indices in _in_chunks(indices, items, dtype.itemsize):
-            sizes = [int(torch.Size(items[i][0].shape).numel()) for i in group_indices]
-            flat = torch.empty(sum(sizes), dtype=dtype, device=device)
-            offset = 0
-            for i, size in zip(group_indices, sizes):
-                flat[offset : offset + size].copy_(items[i][1].reshape(-1))
-                offset += size
-                if consume:
-                    items[i] = (items[i][0], None)
-            try:
-                _REDUCE(flat, dst=dist.get_global_rank(group, owner), group=group)
-            except Exception as err:  # pragma: no cover - a rank died or timed out
-                raise RuntimeError(
-                    f"The FSDP2 sweep could not {what}: a rank did not get there within "
-                    f"{_dist.TIMEOUT_S:g} s (backpack.distributed.TIMEOUT_S)."
-                ) from err
+            flat, sizes = _packed(items, group_indices, dtype, device, consume)
+            _collective(what, _REDUCE, flat, dst=dist.get_global_rank(group, owner), group=group)
             offset = 0
             for i, size in zip(group_indices, sizes):
                 if owner == me:
@@ -443,13 +430,7 @@ def _reduce_scatter(
             for i in indices:
                 items[i] = (items[i][0], None)
         mine = torch.empty(length, dtype=dtype, device=device)
-        try:
-            _REDUCE_SCATTER(mine, flat, group=group)
-        except Exception as err:  # pragma: no cover - a rank died or timed out
-            raise RuntimeError(
-                f"The FSDP2 sweep could not {what}: a rank did not get there within "
-                f"{_dist.TIMEOUT_S:g} s (backpack.distributed.TIMEOUT_S)."
-            ) from err
+        _collective(what, _REDUCE_SCATTER, mine, flat, group=group)
         del flat
         offset = 0
         for i in indices:
@@ -459,6 +440,35 @@ def _reduce_scatter(
             out[i] = mine[offset : offset + size].view(shape)
             offset += size
     return out  # type: ignore[return-value]
+
+
+def _packed(
+    items: list, indices: list[int], dtype: torch.dtype, device: Any, consume: bool
+) -> tuple[Tensor, list[int]]:
+    """The tensors of `items[indices]` back to back in one flat buffer, cast to `dtype`.
+
+    `consume`: each tensor is dropped from `items` once copied. Returns the buffer and sizes.
+    """
+    sizes = [int(torch.Size(items[i][0].shape).numel()) for i in indices]
+    flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+    offset = 0
+    for i, size in zip(indices, sizes):
+        flat[offset : offset + size].copy_(items[i][1].reshape(-1))
+        offset += size
+        if consume:
+            items[i] = (items[i][0], None)
+    return flat, sizes
+
+
+def _collective(what: str, fn: Any, *args: Any, **kwargs: Any) -> None:
+    """Run one of the sweep's collectives; a rank that does not come names the timeout."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as err:  # pragma: no cover - a rank died or timed out
+        raise RuntimeError(
+            f"The FSDP2 sweep could not {what}: a rank did not get there within "
+            f"{_dist.TIMEOUT_S:g} s (backpack.distributed.TIMEOUT_S)."
+        ) from err
 
 
 def _all_reduce_chunks(
@@ -477,21 +487,8 @@ def _all_reduce_chunks(
     its holders could receive sums added in different orders; an all-reduce gives every
     rank the same bits, so replica groups stay identical.
     """
-    sizes = [int(torch.Size(items[i][0].shape).numel()) for i in indices]
-    flat = torch.empty(sum(sizes), dtype=dtype, device=items[indices[0]][1].device)
-    offset = 0
-    for i, size in zip(indices, sizes):
-        flat[offset : offset + size].copy_(items[i][1].reshape(-1))
-        offset += size
-        if consume:
-            items[i] = (items[i][0], None)
-    try:
-        dist.all_reduce(flat, group=group)
-    except Exception as err:  # pragma: no cover - a rank died or timed out
-        raise RuntimeError(
-            f"The FSDP2 sweep could not {what}: a rank did not get there within "
-            f"{_dist.TIMEOUT_S:g} s (backpack.distributed.TIMEOUT_S)."
-        ) from err
+    flat, sizes = _packed(items, indices, dtype, items[indices[0]][1].device, consume)
+    _collective(what, dist.all_reduce, flat, group=group)
     offset = 0
     for i, size in zip(indices, sizes):
         shard = items[i][0]
