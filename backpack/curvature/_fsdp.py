@@ -108,9 +108,7 @@ class _Shard:
         #: the number of chunks (the size of the mesh dimension the parameter is sharded over)
         self.chunks = len(set(chunk_of.values()))
         #: `{chunk index: the lowest rank holding it}`
-        self.holder: dict[int, int] = {}
-        for rank in sorted(chunk_of):
-            self.holder.setdefault(chunk_of[rank], rank)
+        self.holder = holders(chunk_of)
         self.me = me
         local = tuple(param.to_local().shape)
         if local != self.chunk_shape(self.chunk_of[me]):
@@ -147,11 +145,32 @@ def mesh_chunks(device_mesh: Any, placements: Any) -> dict[int, int]:
     return {int(mesh[i]): i[axis] for i in itertools.product(*map(range, mesh.shape))}
 
 
-def copy_holder(device_mesh: Any, placements: Any) -> int:
-    """The lowest rank holding the same chunk as this rank (itself, except under HSDP)."""
-    chunk_of = mesh_chunks(device_mesh, placements)
-    mine = chunk_of[dist.get_rank()]
-    return min(rank for rank, index in chunk_of.items() if index == mine)
+def holders(chunk_of: dict[int, int]) -> dict[int, int]:
+    """`{chunk index: the lowest rank holding it}` of a `{rank: chunk index}` map."""
+    found: dict[int, int] = {}
+    for rank in sorted(chunk_of):
+        found.setdefault(chunk_of[rank], rank)
+    return found
+
+
+def replica_holder(chunk_maps: list[dict[int, int]], me: int, what: str) -> int | None:
+    """The rank whose rows rank `me`'s equal (HSDP), or None when no rank shares a chunk.
+
+    `chunk_maps`: every parameter's `{rank: chunk index}`. Under HSDP that is the lowest rank
+    holding this rank's chunks; sums and stacks over the ranks take each row from it only.
+
+    Raises:
+        NotImplementedError: When the parameters are replicated over different groups of ranks.
+    """
+    if all(len(set(m.values())) == len(m) for m in chunk_maps):
+        return None
+    found = {holders(m)[m[me]] for m in chunk_maps}
+    if len(found) > 1:
+        raise NotImplementedError(
+            f"{what}: the parameters of the FSDP2 model are replicated over different groups of "
+            "ranks (several HSDP meshes); shard them over one mesh."
+        )
+    return found.pop()
 
 
 def replica_digest(V: Tensor | None) -> list[float]:

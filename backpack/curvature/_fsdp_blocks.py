@@ -20,7 +20,13 @@ from torch import Tensor, nn
 
 from backpack import distributed as _dist
 from backpack.curvature._blocks import BlockLayout
-from backpack.curvature._fsdp import _Shard, check_replicas, replica_digest, shards
+from backpack.curvature._fsdp import (
+    _Shard,
+    check_replicas,
+    replica_digest,
+    replica_holder,
+    shards,
+)
 
 
 class ShardedBlocks:
@@ -50,12 +56,6 @@ class ShardedBlocks:
         self.names = list(self.shards)
         self.blocks = list(blocks)
         self.owner = {b.name: owners[b.name] for b in self.blocks}
-
-    @property
-    def copy_holder(self) -> int:
-        """The lowest rank holding the same chunks as this one (itself, except under HSDP)."""
-        same = lambda r: all(s.chunk_of[r] == s.chunk_of[self.me] for s in self.shards.values())  # noqa: E731
-        return min(r for r in range(self.world) if same(r))
 
     @property
     def local_shapes(self) -> list[tuple[int, ...]]:
@@ -306,15 +306,16 @@ def sharded_matmul(
     except Exception as err:  # noqa: BLE001 - agreed with the other ranks first
         error = err
     # under HSDP, a digest of each rank's rows to compare with its chunks' holder's
-    replicated = any(s.chunks < routing.world for s in routing.shards.values())
-    digest = [routing.copy_holder, *replica_digest(V)] if replicated else []
+    chunk_maps = [s.chunk_of for s in routing.shards.values()]
+    holder = replica_holder(chunk_maps, routing.me, routing.what)
+    digest = [] if holder is None else [holder, *replica_digest(V)]
     table = routing.agree(error, [k, *digest], "check the vectors")
     if len(set(table[:, 0].tolist())) > 1:
         raise ValueError(
             f"{routing.what} @ V on an FSDP2 model is a collective: every rank must multiply "
             f"the same number of columns, got {[int(x) for x in table[:, 0].tolist()]}."
         )
-    if replicated:
+    if holder is not None:
         check_replicas(table[:, [2, 3, 4, 5, 1]], f"{routing.what} @ V")
     rows = routing.apply(pieces, k, fn, V, "multiply")
     out = torch.cat([rows[n].reshape(k, -1) for n in routing.names], dim=1).T

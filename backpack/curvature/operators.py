@@ -46,10 +46,10 @@ from backpack.curvature._forward import (
 )
 from backpack.curvature._fsdp import (
     check_replicas,
-    copy_holder,
     is_fully_sharded,
     mesh_chunks,
     replica_digest,
+    replica_holder,
     reshard,
 )
 from backpack.curvature._fsdp_products import (
@@ -157,26 +157,23 @@ class CurvatureOperator:
             pieces.append(part.reshape(-1, full.shape[1]))
         return torch.cat(pieces)
 
-    def _copy_holder(self) -> int:
-        """The rank whose local rows count for this rank's (itself, except under HSDP).
+    def _replica_holder(self) -> int | None:
+        """The rank whose rows this rank's equal under HSDP (`replica_holder`), else None."""
+        chunk_maps = [mesh_chunks(m[0], m[1]) for m in self._placements if m is not None]
+        return replica_holder(chunk_maps, dist.get_rank(), type(self).__name__)
 
-        Under HSDP every replica group holds the same rows; sums and stacks over the ranks take
-        each row once, from its lowest-ranked holder.
-        """
-        holders = {copy_holder(m[0], m[1]) for m in self._placements if m is not None}
-        if len(holders) > 1:
-            raise NotImplementedError(
-                f"{type(self).__name__}: the parameters of the FSDP2 model are replicated over "
-                "different groups of ranks (several HSDP meshes); shard them over one mesh."
-            )
-        return holders.pop() if holders else dist.get_rank()
+    def _copy_holder(self) -> int:
+        """The rank whose local rows count for this rank's (itself, except under HSDP)."""
+        holder = self._replica_holder()
+        return dist.get_rank() if holder is None else holder
 
     def _check_replicas(self, V: Tensor) -> None:
         """Under HSDP, raise on every rank unless the replica groups pass the same rows."""
-        if all(m is None or m[0].mesh.dim() == 1 for m in self._placements):
+        holder = self._replica_holder()
+        if holder is None:
             return  # no replica groups: nothing to compare (and no collective)
         group = header_group(getattr(self, "_group", None))
-        holder = dist.get_group_rank(group, self._copy_holder())
+        holder = dist.get_group_rank(group, holder)
         what = f"{type(self).__name__} @ V"
         table = agree(group, [*replica_digest(V), float(holder)], None, what)
         check_replicas(table, what)
